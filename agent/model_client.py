@@ -1,0 +1,359 @@
+"""Access to an OpenAI-compatible chat endpoint, with the run's only retry layer.
+
+One `ModelClient` per worker process and endpoint: it owns the `AsyncOpenAI` client (created
+once, SDK retries off), the retry policy (Retry-After and x-ratelimit-reset* honoured,
+exponential backoff with full jitter, a bounded total wait), an adaptive cap on requests in
+flight (halved on bursts of 429, recovered slowly) and an optional requests-per-minute pace.
+`SessionModel` is the per-prompt view of it that also sums usage and retries for the row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.types import ModelReply, ProviderError
+
+_QUOTA_WORDS = ("insufficient_quota", "quota", "credits", "insufficient credit", "billing")
+
+
+@dataclass
+class RetryPolicy:
+    max_attempts: int = 8  # per request, the first try included
+    base_delay: float = 1.0  # first backoff, doubled each retry
+    max_delay: float = 60.0  # cap of one backoff
+    max_total_wait: float = 300.0  # a request gives up once waiting more would pass this
+    request_timeout: float = 600.0  # seconds for one HTTP request
+
+
+class AdaptiveLimiter:
+    """Caps requests in flight. A 429 halves the cap (once per burst); each success adds 1/cap."""
+
+    def __init__(self, maximum: int):
+        self.maximum = max(1, maximum)
+        self.limit = float(self.maximum)
+        self.in_flight = 0
+        self._cond = asyncio.Condition()
+        self._last_cut = 0.0
+
+    async def __aenter__(self):
+        async with self._cond:
+            while self.in_flight >= int(self.limit):
+                await self._cond.wait()
+            self.in_flight += 1
+
+    async def __aexit__(self, *exc):
+        async with self._cond:
+            self.in_flight -= 1
+            self._cond.notify_all()
+
+    def on_throttled(self) -> None:
+        now = time.monotonic()
+        if now - self._last_cut > 1.0:  # many 429s from one burst count once
+            self._last_cut = now
+            self.limit = max(1.0, self.limit / 2)
+
+    def on_success(self) -> None:
+        if self.limit < self.maximum:
+            self.limit = min(float(self.maximum), self.limit + 1.0 / self.limit)
+
+
+class RequestPacer:
+    """Spaces request starts evenly to stay under a requests-per-minute budget (per process)."""
+
+    def __init__(self, per_minute: float | None):
+        self.interval = 60.0 / per_minute if per_minute else 0.0
+        self._next = 0.0
+        self._lock = asyncio.Lock()
+
+    async def wait(self) -> None:
+        if not self.interval:
+            return
+        async with self._lock:
+            now = time.monotonic()
+            delay = self._next - now
+            self._next = max(now, self._next) + self.interval
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+@dataclass
+class CallStats:
+    """What one row spent: summed over every model request of the session (tools' too)."""
+
+    requests: int = 0
+    retries: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_tokens: int = 0
+    total_tokens: int = 0
+    cost: float = 0.0
+
+    def add_usage(self, usage: dict) -> None:
+        self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+        self.completion_tokens += int(usage.get("completion_tokens") or 0)
+        self.reasoning_tokens += int(usage.get("reasoning_tokens") or 0)
+        self.cached_tokens += int(usage.get("cached_tokens") or 0)
+        self.total_tokens += int(usage.get("total_tokens") or 0)
+        self.cost += float(usage.get("cost") or 0.0)
+
+    def as_dict(self) -> dict:
+        data = dict(self.__dict__)
+        data["cost"] = round(self.cost, 8)
+        return data
+
+
+def parse_duration(text: str) -> float | None:
+    """Parse '1.5', '20ms', '2s', '6m0s', '1h2m3s' (OpenAI's x-ratelimit-reset-* style)."""
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def server_requested_delay(headers: Any) -> float | None:
+    """The wait a 429/503 response asks for, from Retry-After or x-ratelimit-reset-*."""
+    if headers is None:
+        return None
+    retry_after = headers.get("retry-after-ms")
+    if retry_after:
+        try:
+            return float(retry_after) / 1000.0
+        except ValueError:
+            pass
+    retry_after = headers.get("retry-after")
+    if retry_after:
+        seconds = parse_duration(retry_after)
+        if seconds is not None:
+            return seconds
+        parsed = email.utils.parsedate_to_datetime(retry_after) if retry_after else None
+        if parsed is not None:
+            return max(0.0, parsed.timestamp() - time.time())
+    resets = [parse_duration(headers.get(h, "")) for h in ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens")]
+    resets = [r for r in resets if r is not None]
+    return max(resets) if resets else None
+
+
+def classify_status(status: int, message: str) -> tuple[str, bool]:
+    """(error_class, retryable) for an HTTP error status."""
+    lowered = message.lower()
+    if status in (401, 403):
+        return "auth", False
+    if status == 402 or (status == 429 and any(w in lowered for w in _QUOTA_WORDS)):
+        return "quota", False
+    if status in (408, 409, 425, 429) or status >= 500:
+        return "provider", True
+    return "provider", False
+
+
+def _usage_dict(usage: Any) -> dict:
+    if usage is None:
+        return {}
+    data = usage.model_dump() if hasattr(usage, "model_dump") else dict(usage)
+    details = data.get("completion_tokens_details") or {}
+    prompt_details = data.get("prompt_tokens_details") or {}
+    return {
+        "prompt_tokens": data.get("prompt_tokens") or 0,
+        "completion_tokens": data.get("completion_tokens") or 0,
+        "total_tokens": data.get("total_tokens") or 0,
+        "reasoning_tokens": details.get("reasoning_tokens") or 0,
+        "cached_tokens": prompt_details.get("cached_tokens") or 0,
+        "cost": data.get("cost") or 0.0,  # OpenRouter reports the charge here
+    }
+
+
+def _field(obj: Any, name: str) -> Any:
+    value = getattr(obj, name, None)
+    if value is None and getattr(obj, "model_extra", None):
+        value = obj.model_extra.get(name)
+    return value
+
+
+def extract_reasoning(message: Any) -> tuple[str | None, list | None]:
+    """Join native reasoning from `reasoning`, `reasoning_content` and `reasoning_details`."""
+    pieces: list[str] = []
+    for name in ("reasoning", "reasoning_content"):
+        text = _field(message, name)
+        if isinstance(text, str) and text.strip() and text not in pieces:
+            pieces.append(text)
+    details = _field(message, "reasoning_details")
+    if isinstance(details, list):
+        for item in details:
+            if isinstance(item, dict):
+                text = item.get("summary") or item.get("content") or item.get("text")
+                if isinstance(text, str) and text.strip() and text not in pieces:
+                    pieces.append(text)
+    return ("\n\n".join(pieces) if pieces else None), (details if isinstance(details, list) else None)
+
+
+def reply_from_completion(completion: Any) -> ModelReply:
+    choices = getattr(completion, "choices", None)
+    if not choices:
+        raise ValueError("the response has no choices")
+    choice = choices[0]
+    message = choice.message
+    reasoning, details = extract_reasoning(message)
+    tool_calls = []
+    for call in message.tool_calls or []:
+        function = getattr(call, "function", None)
+        if function is None:
+            continue
+        tool_calls.append(
+            {
+                "id": call.id or "",
+                "type": "function",
+                "function": {"name": function.name or "", "arguments": function.arguments or ""},
+            }
+        )
+    return ModelReply(
+        content=message.content,
+        reasoning=reasoning,
+        tool_calls=tool_calls,
+        finish_reason=choice.finish_reason,
+        reasoning_details=details,
+        usage=_usage_dict(getattr(completion, "usage", None)),
+    )
+
+
+class ModelClient:
+    """One endpoint, shared by all sessions of a worker process."""
+
+    def __init__(
+        self,
+        base_url: str | None,
+        api_key: str | None,
+        *,
+        max_in_flight: int = 64,
+        requests_per_minute: float | None = None,
+        policy: RetryPolicy | None = None,
+    ):
+        import httpx
+        import openai
+
+        self.policy = policy or RetryPolicy()
+        limits = httpx.Limits(max_connections=max(8, max_in_flight * 2), max_keepalive_connections=max(8, max_in_flight))
+        self._openai = openai
+        self._client = openai.AsyncOpenAI(
+            base_url=base_url,
+            api_key=api_key or "no-key",
+            max_retries=0,  # this class is the only retry layer
+            timeout=self.policy.request_timeout,
+            http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+        )
+        self.limiter = AdaptiveLimiter(max_in_flight)
+        self.pacer = RequestPacer(requests_per_minute)
+
+    async def complete(
+        self,
+        messages: list[dict],
+        *,
+        model: str,
+        tools: list[dict] | None = None,
+        max_tokens: int | None = None,
+        extra_body: dict | None = None,
+        stats: CallStats | None = None,
+    ) -> ModelReply:
+        openai = self._openai
+        policy = self.policy
+        kwargs: dict[str, Any] = {"model": model, "messages": messages}
+        if tools:
+            kwargs["tools"] = tools
+        if max_tokens:
+            kwargs["max_tokens"] = max_tokens
+        if extra_body:
+            kwargs["extra_body"] = extra_body
+        waited = 0.0
+        for attempt in range(1, policy.max_attempts + 1):
+            requested: float | None = None
+            try:
+                await self.pacer.wait()
+                async with self.limiter:
+                    if stats is not None:
+                        stats.requests += 1
+                    completion = await self._client.chat.completions.create(**kwargs)
+                reply = reply_from_completion(completion)
+                self.limiter.on_success()
+                if stats is not None:
+                    stats.add_usage(reply.usage)
+                return reply
+            except openai.APIStatusError as err:
+                message = _error_message(err)
+                error_class, retryable = classify_status(err.status_code, message)
+                failure = f"HTTP {err.status_code}: {message}"
+                if err.status_code == 429:
+                    self.limiter.on_throttled()
+                requested = server_requested_delay(getattr(err.response, "headers", None))
+                if not retryable:
+                    raise ProviderError(failure, error_class, err.status_code) from None
+                status = err.status_code
+            except openai.APITimeoutError:
+                failure, status = f"request timed out after {policy.request_timeout:g}s", None
+            except openai.APIConnectionError as err:
+                failure, status = f"connection error: {err.__cause__ or err}", None
+            except (ValueError, TypeError, openai.APIResponseValidationError) as err:
+                failure, status = f"malformed response: {err}", None
+            if attempt == policy.max_attempts:
+                break
+            delay = requested if requested is not None else min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1))
+            delay = delay + random.uniform(0, 0.25 * delay + 0.05) if requested is not None else random.uniform(0, delay)
+            if waited + delay > policy.max_total_wait:
+                failure += f" (gave up: waiting {delay:.1f}s more would pass the {policy.max_total_wait:g}s budget)"
+                break
+            if stats is not None:
+                stats.retries += 1
+            waited += delay
+            await asyncio.sleep(delay)
+        raise ProviderError(f"{failure} after {attempt} attempt(s)", "provider", status)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+def _error_message(err: Any) -> str:
+    body = getattr(err, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])[:500]
+    return str(getattr(err, "message", err))[:500]
+
+
+@dataclass
+class SessionModel:
+    """The per-prompt view of a model client: default model and request options, summed stats."""
+
+    client: Any  # ModelClient or agent.mock_model.MockModelClient
+    model: str
+    max_tokens: int | None = None
+    extra_body: dict | None = None
+    stats: CallStats = field(default_factory=CallStats)
+
+    async def complete(
+        self,
+        messages: list[dict],
+        *,
+        model: str | None = None,
+        tools: list[dict] | None = None,
+        max_tokens: int | None = None,
+        extra_body: dict | None = None,
+    ) -> ModelReply:
+        return await self.client.complete(
+            messages,
+            model=model or self.model,
+            tools=tools,
+            max_tokens=max_tokens if max_tokens is not None else self.max_tokens,
+            extra_body=extra_body if extra_body is not None else self.extra_body,
+            stats=self.stats,
+        )

@@ -1,0 +1,31 @@
+"""Plain data passed between the model client, the agent loop and the tools."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelReply:
+    """One chat-completion choice, normalised from whatever the endpoint sent."""
+
+    content: str | None
+    reasoning: str | None  # native reasoning (reasoning / reasoning_content / reasoning_details joined)
+    tool_calls: list[dict]  # [{"id", "type": "function", "function": {"name", "arguments": str}}]
+    finish_reason: str | None
+    reasoning_details: list | None = None
+    usage: dict[str, Any] = field(default_factory=dict)  # prompt/completion/reasoning/cached/total tokens, cost
+
+
+class ProviderError(Exception):
+    """A model request that failed for good (after our retries, or not retryable).
+
+    error_class: provider (429/5xx/timeout/connection/malformed/other 4xx), auth (401/403),
+    quota (402, credits or quota exhausted). auth and quota stop the whole run.
+    """
+
+    def __init__(self, message: str, error_class: str = "provider", status: int | None = None):
+        super().__init__(message)
+        self.error_class = error_class
+        self.status = status

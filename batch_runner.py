@@ -1,0 +1,630 @@
+#!/usr/bin/env python3
+"""Run every prompt of a JSONL dataset through a tool-using agent and collect trajectories.
+
+    python batch_runner.py --dataset_file=data/example_prompts.jsonl --batch_size=5 \\
+                           --run_name=demo --model=mock
+
+Outputs go to <output_dir>/<run_name>/: batch_N.jsonl (committed rows), checkpoint.json,
+config.json, trajectories.jsonl and statistics.json. See README.md for every flag.
+
+Exit codes: 0 every row done; 1 bad input or configuration; 2 finished with failed or unrun rows
+(run again with --resume); 3 stopped early by a fatal provider error (auth or quota);
+130 interrupted (Ctrl-C / SIGTERM).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from toolset_distributions import DISTRIBUTIONS, format_distribution_catalogue
+
+EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FATAL_PROVIDER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+FATAL_CLASSES = ("auth", "quota")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_LOOPBACK = re.compile(r"^https?://(localhost|127\.\d+\.\d+\.\d+|\[::1\])(:\d+)?(/|$)")
+
+
+class UsageError(Exception):
+    """Bad input or configuration: one clear line, exit code 1."""
+
+
+def _as_list(value: Any, flag: str) -> list[str] | None:
+    """A comma list, whether fire passed a string, a number or a tuple."""
+    if value is None or value == "" or value is False:
+        return None
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    parts = [str(item).strip() for item in items]
+    parts = [p for p in parts if p]
+    if not parts:
+        raise UsageError(f"--{flag} is empty")
+    return parts
+
+
+def _positive_int(value: Any, flag: str, minimum: int = 1, required: bool = False) -> int | None:
+    if value is None:
+        if required:
+            raise UsageError(f"--{flag} is required")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UsageError(f"--{flag} must be an integer >= {minimum} (got {value!r})")
+    return value
+
+
+def _positive_float(value: Any, flag: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise UsageError(f"--{flag} must be a positive number (got {value!r})")
+    return float(value)
+
+
+def _run_name(value: Any) -> str:
+    if value is None or value == "" or value is True:
+        raise UsageError("--run_name is required")
+    name = str(value)
+    if not _RUN_NAME.match(name) or name in (".", ".."):
+        raise UsageError(
+            f"--run_name={name!r} is not allowed: use letters, digits, '.', '_' and '-' (it names a folder "
+            "inside the output directory and cannot leave it)"
+        )
+    return name
+
+
+def _reasoning(effort: Any, disabled: bool) -> dict | None:
+    from runner.config import REASONING_EFFORTS
+
+    if disabled:
+        print("🧠 Reasoning: DISABLED (effort=none)")
+        return {"effort": "none"}
+    if effort is None:
+        return None
+    if str(effort) not in REASONING_EFFORTS:
+        raise UsageError(f"--reasoning_effort must be one of: {', '.join(REASONING_EFFORTS)} (got {effort!r})")
+    print(f"🧠 Reasoning effort: {effort}")
+    return {"enabled": True, "effort": str(effort)}
+
+
+def _prefill(path: Any) -> list[dict]:
+    if not path:
+        return []
+    import json
+
+    try:
+        messages = json.loads(Path(str(path)).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot load --prefill_messages_file {path}: {err}") from None
+    if not isinstance(messages, list):
+        raise UsageError(f"{path}: prefill_messages_file must contain a JSON array of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant") or not isinstance(
+            message.get("content"), str
+        ):
+            raise UsageError(f"{path}: message {i} must be an object with 'role' (system/user/assistant) and string 'content'")
+    print(f"💬 Loaded {len(messages)} prefill messages from {path}")
+    return messages
+
+
+def main(
+    dataset_file: str = None,
+    batch_size: int = None,
+    run_name: str = None,
+    distribution: str = "default",
+    model: str = "anthropic/claude-sonnet-4.6",
+    api_key: str = None,
+    base_url: str = "https://openrouter.ai/api/v1",
+    max_turns: int = 10,
+    num_workers: int = 4,
+    resume: bool = False,
+    verbose: bool = False,
+    list_distributions: bool = False,
+    ephemeral_system_prompt: str = None,
+    log_prefix_chars: int = 100,
+    providers_allowed: str = None,
+    providers_ignored: str = None,
+    providers_order: str = None,
+    provider_sort: str = None,
+    max_tokens: int = None,
+    reasoning_effort: str = None,
+    reasoning_disabled: bool = False,
+    prefill_messages_file: str = None,
+    max_samples: int = None,
+    # Options the original does not have.
+    seed: int = None,
+    output_dir: str = "data",
+    skip_invalid: bool = False,
+    keep_no_reasoning: bool = False,
+    overwrite: bool = False,
+    allow_config_change: bool = False,
+    num_processes: int = None,
+    prompt_timeout: float = None,
+    request_timeout: float = 600.0,
+    max_requests_per_minute: float = None,
+    grace_period: float = 30.0,
+    terminal_env: str = None,
+    docker_image: str = None,
+    sandbox: str = None,
+    keep_workdirs: bool = False,
+    command_timeout: float = 180.0,
+    container_memory: str = None,
+    container_cpus: float = None,
+    container_network: str = None,
+    vision_model: str = None,
+):
+    """Run a JSONL dataset of prompts through the agent (see README.md for every flag)."""
+    if list_distributions:
+        print(format_distribution_catalogue())
+        raise SystemExit(EXIT_OK)
+    try:
+        config = build_config(**{k: v for k, v in locals().items() if k != "list_distributions"})
+        code = BatchRunner(config, resume=bool(resume), overwrite=bool(overwrite),
+                           allow_config_change=bool(allow_config_change)).run()
+    except UsageError as err:
+        print(f"❌ Error: {err}", file=sys.stderr)
+        code = EXIT_ERROR
+    except Exception as err:  # our bug or an OS error: one clear line, the traceback with --verbose
+        print(f"\n❌ Fatal error: {type(err).__name__}: {err}", file=sys.stderr)
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        code = EXIT_ERROR
+    raise SystemExit(code)
+
+
+def build_config(**flags: Any):
+    """Validate the flags into a RunConfig (raises UsageError with one clear line)."""
+    from runner.config import PROVIDER_SORTS, RunConfig
+    from tools.settings import ToolSettings
+
+    if not flags["dataset_file"] or flags["dataset_file"] is True:
+        raise UsageError("--dataset_file is required")
+    batch_size = _positive_int(flags["batch_size"], "batch_size", required=True)
+    run_name = _run_name(flags["run_name"])
+    distribution = str(flags["distribution"])
+    if distribution not in DISTRIBUTIONS:
+        raise UsageError(f"unknown --distribution={distribution!r}; available: {', '.join(sorted(DISTRIBUTIONS))}")
+    num_workers = _positive_int(flags["num_workers"], "num_workers")
+    max_turns = _positive_int(flags["max_turns"], "max_turns")
+    sort = flags["provider_sort"]
+    if sort is not None and str(sort) not in PROVIDER_SORTS:
+        raise UsageError(f"--provider_sort must be one of: {', '.join(PROVIDER_SORTS)} (got {sort!r})")
+    provider = {
+        key: value
+        for key, value in (
+            ("only", _as_list(flags["providers_allowed"], "providers_allowed")),
+            ("ignore", _as_list(flags["providers_ignored"], "providers_ignored")),
+            ("order", _as_list(flags["providers_order"], "providers_order")),
+            ("sort", None if sort is None else str(sort)),
+        )
+        if value
+    }
+    model = str(flags["model"])
+    base_url = None if model == "mock" else (str(flags["base_url"]) if flags["base_url"] else None)
+    api_key = flags["api_key"]
+    api_key = str(api_key) if api_key not in (None, "", True) else os.environ.get("OPENROUTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if model != "mock" and not api_key and not (base_url and _LOOPBACK.match(base_url)):
+        raise UsageError(
+            f"no API key for {base_url or 'the model endpoint'}: pass --api_key or set OPENROUTER_API_KEY "
+            "(or OPENAI_API_KEY); for an offline try-out use --model=mock"
+        )
+    terminal_env = str(flags["terminal_env"] or os.environ.get("TERMINAL_ENV") or "local")
+    if terminal_env not in ("local", "docker", "singularity", "modal"):
+        raise UsageError(f"--terminal_env must be local, docker, singularity or modal (got {terminal_env!r})")
+    sandbox = flags["sandbox"]
+    if sandbox not in (None, "none", "bwrap"):
+        raise UsageError(f"--sandbox must be 'bwrap' or 'none' (got {sandbox!r})")
+    seed = flags["seed"]
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise UsageError(f"--seed must be an integer (got {seed!r})")
+    max_samples = flags["max_samples"]
+    max_samples = None if max_samples in (None, 0) else _positive_int(max_samples, "max_samples")
+    output_dir = str(flags["output_dir"] or "data")
+    tools = ToolSettings(
+        terminal_env=terminal_env,
+        sandbox=None if sandbox in (None, "none") else sandbox,
+        keep_workdirs=bool(flags["keep_workdirs"]),
+        command_timeout=_positive_float(flags["command_timeout"], "command_timeout") or 180.0,
+        docker_image=flags["docker_image"],
+        container_memory=None if flags["container_memory"] is None else str(flags["container_memory"]),
+        container_cpus=_positive_float(flags["container_cpus"], "container_cpus"),
+        container_network=flags["container_network"],
+        run_name=run_name,
+        run_id=uuid.uuid4().hex[:12],
+        model=model,
+        base_url=base_url,
+        api_key=api_key,
+        vision_model=flags["vision_model"],
+        searxng_url=os.environ.get("SEARXNG_URL"),
+        tavily_api_key=os.environ.get("TAVILY_API_KEY"),
+        exa_api_key=os.environ.get("EXA_API_KEY"),
+        brave_api_key=os.environ.get("BRAVE_API_KEY"),
+        firecrawl_api_key=os.environ.get("FIRECRAWL_API_KEY"),
+        fal_key=os.environ.get("FAL_KEY"),
+        images_base_url=os.environ.get("IMAGES_BASE_URL"),
+        images_api_key=os.environ.get("IMAGES_API_KEY"),
+    )
+    ephemeral = flags["ephemeral_system_prompt"]
+    return RunConfig(
+        dataset_file=str(flags["dataset_file"]),
+        run_name=run_name,
+        batch_size=batch_size,
+        output_dir=output_dir,
+        distribution=distribution,
+        model=model,
+        base_url=base_url,
+        api_key=api_key,
+        max_turns=max_turns,
+        num_workers=num_workers,
+        num_processes=_positive_int(flags["num_processes"], "num_processes"),
+        max_tokens=_positive_int(flags["max_tokens"], "max_tokens"),
+        reasoning=_reasoning(flags["reasoning_effort"], bool(flags["reasoning_disabled"])),
+        provider=provider or None,
+        ephemeral_system_prompt=None if ephemeral in (None, "") else str(ephemeral),
+        prefill_messages=_prefill(flags["prefill_messages_file"]),
+        prefill_messages_file=flags["prefill_messages_file"],
+        max_samples=max_samples,
+        seed=seed,
+        keep_no_reasoning=bool(flags["keep_no_reasoning"]),
+        skip_invalid=bool(flags["skip_invalid"]),
+        verbose=bool(flags["verbose"]),
+        log_prefix_chars=_positive_int(flags["log_prefix_chars"], "log_prefix_chars", minimum=0),
+        prompt_timeout=_positive_float(flags["prompt_timeout"], "prompt_timeout"),
+        request_timeout=_positive_float(flags["request_timeout"], "request_timeout") or 600.0,
+        max_requests_per_minute=_positive_float(flags["max_requests_per_minute"], "max_requests_per_minute"),
+        grace_period=float(flags["grace_period"]) if flags["grace_period"] is not None else 30.0,
+        tools=tools,
+    )
+
+
+class BatchRunner:
+    """Owns the run directory for one invocation: validate, resume, dispatch, commit, finalize."""
+
+    def __init__(self, config, *, resume: bool = False, overwrite: bool = False, allow_config_change: bool = False):
+        self.config = config
+        self.resume = resume
+        self.overwrite = overwrite
+        self.allow_config_change = allow_config_change
+        self.run_dir = Path(config.output_dir) / config.run_name
+        self.stopping: str | None = None  # why no new prompt is started: interrupted / fatal
+        self.fatal_message: str | None = None
+        self._interrupts = 0
+        self._bar = None
+
+    # --- logging that does not tear the progress bar --------------------------------------
+
+    def log(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    # --- the run --------------------------------------------------------------------------
+
+    def run(self) -> int:
+        from runner.dataset import DatasetError, scan_dataset
+
+        config = self.config
+        try:
+            scan = scan_dataset(config.dataset_file, config.max_samples)
+        except DatasetError as err:
+            raise UsageError(str(err)) from None
+        if scan.errors:
+            self._report_bad_lines(scan)
+        if not scan.rows:
+            raise UsageError(f"{config.dataset_file}: no valid rows")
+        self._print_header(scan)
+        self._prepare_run_dir()
+
+        from runner.store import RunLock, RunStore
+
+        lock = RunLock(self.run_dir)
+        try:
+            lock.acquire(self.log)
+        except RuntimeError as err:
+            raise UsageError(str(err)) from None
+        try:
+            return self._run_locked(scan, RunStore(self.run_dir, config.run_name, config.batch_size))
+        finally:
+            lock.release()
+
+    def _report_bad_lines(self, scan) -> None:
+        errors = scan.errors
+        shown = errors[:50]
+        lines = [f"   {scan.path}:{line_no}: {reason}" for line_no, reason in shown]
+        if len(errors) > len(shown):
+            lines.append(f"   ... and {len(errors) - len(shown)} more")
+        if not self.config.skip_invalid:
+            print("\n".join(lines), file=sys.stderr)
+            raise UsageError(
+                f"{scan.path}: {len(errors)} invalid line(s) (listed above); fix them or pass --skip_invalid to run the valid rows"
+            )
+        print(f"⚠️  Skipping {len(errors)} invalid line(s) of {scan.path} (--skip_invalid):")
+        print("\n".join(lines))
+
+    def _print_header(self, scan) -> None:
+        c = self.config
+        print("📊 Batch Runner Initialized")
+        print(f"   Dataset: {c.dataset_file} ({scan.rows} prompts)")
+        print(f"   Batch size: {c.batch_size}")
+        print(f"   Run name: {c.run_name}")
+        print(f"   Distribution: {c.distribution}")
+        print(f"   Model: {c.model}" + (f" @ {c.base_url}" if c.base_url else " (built-in offline model)"))
+        print(f"   Output directory: {self.run_dir}")
+        print(f"   Workers: {c.num_workers} concurrent sessions")
+        if c.ephemeral_system_prompt:
+            text = c.ephemeral_system_prompt
+            print(f"   🔒 Ephemeral system prompt: '{text[:60]}{'...' if len(text) > 60 else ''}'")
+
+    def _prepare_run_dir(self) -> None:
+        """Refuse to mix runs by accident: a rerun needs --resume (or --overwrite)."""
+        from runner.store import batch_files
+
+        run_dir = self.run_dir
+        has_rows = run_dir.is_dir() and bool(batch_files(run_dir))
+        if has_rows and self.overwrite:
+            if (run_dir / ".lock").exists():
+                from runner.store import RunLock
+
+                RunLock(run_dir).acquire(self.log)  # refuses if a live runner owns it
+            for path in run_dir.iterdir():
+                if path.is_file() and (path.suffix in (".jsonl", ".json", ".torn", ".html") or path.name == ".lock"):
+                    path.unlink()
+            print(f"🗑️  --overwrite: removed the earlier outputs in {run_dir}")
+        elif has_rows and not self.resume:
+            raise UsageError(
+                f"{run_dir} already holds rows of an earlier run; use --resume to continue it "
+                "or --overwrite to start again from scratch"
+            )
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _check_fingerprint(self) -> None:
+        import json
+
+        from runner.config import diff_fingerprints
+
+        path = self.run_dir / "config.json"
+        if not path.exists():
+            return
+        try:
+            saved = json.loads(path.read_text()).get("fingerprint_fields") or {}
+        except (OSError, ValueError, AttributeError):
+            return
+        changed = diff_fingerprints(saved, self.config.fingerprint_fields())
+        if changed and not self.allow_config_change:
+            raise UsageError(
+                f"--resume with a different configuration ({', '.join(changed)} changed since the rows in "
+                f"{self.run_dir} were made); pass --allow_config_change to mix them anyway"
+            )
+        if changed:
+            print(f"⚠️  Configuration changed ({', '.join(changed)}); continuing because of --allow_config_change")
+
+    def _write_config(self) -> None:
+        import json
+        from datetime import datetime
+
+        from runner.store import atomic_write_json
+
+        path = self.run_dir / "config.json"
+        created = None
+        if path.exists():
+            try:
+                created = json.loads(path.read_text()).get("created_at")
+            except (OSError, ValueError, AttributeError):
+                pass
+        atomic_write_json(
+            path,
+            {
+                "config": self.config.public_dict(),
+                "fingerprint": self.config.fingerprint(),
+                "fingerprint_fields": self.config.fingerprint_fields(),
+                "run_id": self.config.tools.run_id,
+                "created_at": created or datetime.now().isoformat(),
+                "updated_at": datetime.now().isoformat(),
+            },
+        )
+
+    def _run_locked(self, scan, store) -> int:
+        from runner.finalize import merge_run, print_summary, write_statistics
+        from tools.registry import tool_schema_version, unavailable_tools
+
+        config = self.config
+        config.tool_schema_version = tool_schema_version()
+        if self.resume:
+            self._check_fingerprint()
+        self._write_config()
+        store.repair_torn_tails(self.log)
+        store.load(self.log)
+
+        unavailable = unavailable_tools(config.tools)
+        self._warn_unavailable(unavailable)
+        done = sum(1 for key in scan.key_to_index if store.is_committed(key))
+        remaining = scan.rows - done
+        if self.resume or done:
+            print(f"📂 Resuming: {done:,} of {scan.rows:,} rows already committed; {remaining:,} to run")
+
+        started = time.monotonic()
+        rows_this_run = 0
+        if remaining:
+            rows_this_run = self._execute(scan, store, unavailable, remaining)
+        else:
+            print("✅ All prompts have already been processed; rebuilding the merged outputs.")
+        store.close()
+
+        print("\n📦 Combining all batch files into trajectories.jsonl...")
+        merged = merge_run(self.run_dir, scan.key_to_index, self.log)
+        stats = write_statistics(
+            self.run_dir, merged, run_name=config.run_name, distribution=config.distribution, total_prompts=scan.rows,
+            batch_size=config.batch_size, model=config.model, duration=time.monotonic() - started,
+            rows_this_run=rows_this_run, fingerprint=config.fingerprint(),
+        )
+        print_summary(stats, self.run_dir)
+        if self.fatal_message:
+            print(f"\n❌ Stopped early: {self.fatal_message}", file=sys.stderr)
+            return EXIT_FATAL_PROVIDER
+        if self.stopping == "interrupted":
+            print("\n⏸️  Interrupted: committed rows are safe; run again with --resume to finish.", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if merged.failed or merged.not_run:
+            print(f"\n⚠️  {merged.failed + merged.not_run} row(s) not done; run again with --resume to retry them.")
+            return EXIT_INCOMPLETE
+        return EXIT_OK
+
+    def _warn_unavailable(self, unavailable: dict[str, str]) -> None:
+        from toolset_distributions import get_distribution
+        from tools.registry import TOOLSETS
+
+        wanted = {tool for ts in get_distribution(self.config.distribution)["toolsets"] for tool in TOOLSETS.get(ts, ())}
+        missing = {tool: why for tool, why in unavailable.items() if tool in wanted}
+        if missing:
+            by_reason: dict[str, list[str]] = {}
+            for tool, why in missing.items():
+                by_reason.setdefault(why, []).append(tool)
+            detail = "; ".join(f"{', '.join(tools)} ({why})" for why, tools in by_reason.items())
+            print(f"⚠️  Not offered to the model in this run: {detail}")
+
+    def _tasks(self, scan, store, failed_images: dict[str, str]):
+        """Rows still to run, as tasks; rows whose image cannot be had become failed records."""
+        from runner.dataset import iter_rows
+
+        for row in iter_rows(self.config.dataset_file, self.config.max_samples):
+            if store.is_committed(row.key):
+                continue
+            attempt = store.failures(row.key) + 1
+            yield {
+                "key": row.key,
+                "index": row.index,
+                "prompt": row.prompt,
+                "image": row.image,
+                "cwd": row.cwd,
+                "id": row.id,
+                "attempt": attempt,
+                "task_id": f"{self.config.tools.run_id}-p{row.index}-a{attempt}",
+                "image_error": failed_images.get(row.image or self.config.tools.docker_image or ""),
+            }
+
+    def _prepare_images(self, scan) -> dict[str, str]:
+        """Check (and pull) every distinct image once, before any model call."""
+        tools = self.config.tools
+        if tools.terminal_env != "docker":
+            return {}
+        from tools.environments.images import prepare_images, reap_stale_containers
+
+        try:
+            reap_stale_containers(log=self.log)
+        except Exception as err:  # no daemon: every row will fail as environment below
+            return {image: f"Docker is not available: {err}" for image in scan.images | {tools.docker_image or ""}}
+        images = set(scan.images)
+        if tools.docker_image:
+            images.add(tools.docker_image)
+        if not images:
+            return {}
+        print(f"🐳 Checking {len(images)} container image(s)...")
+        status = prepare_images(images, progress=self.log)
+        return {image: error for image, error in status.items() if error}
+
+    def _execute(self, scan, store, unavailable: dict, remaining: int) -> int:
+        from tqdm import tqdm
+
+        from runner.executor import ProcessExecutor, lost_row_record
+
+        config = self.config
+        failed_images = self._prepare_images(scan)
+        processes = config.num_processes or os.cpu_count() or 1
+        executor = ProcessExecutor(config, unavailable, config.num_workers, processes, log=self.log)
+        counts = {"ok": 0, "failed": 0, "discarded": 0, "retries": 0}
+        self._install_signal_handlers(executor)
+        print(f"\n🚀 Running {remaining:,} prompts: {config.num_workers} sessions on {len(executor.slot_plan)} process(es)\n")
+        executor.start()
+        tasks = self._tasks(scan, store, failed_images)
+        exhausted = False
+        committed = 0
+        grace_deadline = None
+        self._bar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+        try:
+            while True:
+                immediate = []
+                while not self.stopping and not exhausted and executor.free_slots() > 0:
+                    task = next(tasks, None)
+                    if task is None:
+                        exhausted = True
+                    elif task["image_error"]:
+                        immediate.append(lost_row_record(task, config, f"environment: {task['image_error']}", "environment"))
+                    else:
+                        executor.submit(task)
+                if executor.in_flight() == 0 and not immediate and (exhausted or self.stopping):
+                    break
+                if self.stopping and grace_deadline is None:
+                    grace_deadline = time.monotonic() + config.grace_period
+                if grace_deadline is not None and time.monotonic() > grace_deadline and executor.in_flight():
+                    self.log(f"⏹️  Grace period over: abandoning {executor.in_flight()} in-flight prompt(s) (not committed)")
+                    break
+                records = immediate + (executor.poll(0.2) if executor.in_flight() else [])
+                if records:
+                    store.commit(records)
+                    committed += len(records)
+                    self._after_commit(records, counts)
+                else:
+                    store.save_checkpoint()
+        finally:
+            abandon = executor.in_flight() > 0
+            executor.shutdown(abandon=abandon)
+            self._bar.close()
+            self._bar = None
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        return committed
+
+    def _after_commit(self, records: list[dict], counts: dict) -> None:
+        from runner.store import record_outcome
+
+        for record in records:
+            outcome = record_outcome(record)
+            counts[outcome] += 1
+            counts["retries"] += int(record["metadata"].get("usage", {}).get("retries") or 0)
+            index = record["prompt_index"]
+            if outcome == "failed":
+                cls = record.get("error_class")
+                self.log(f"   ❌ Prompt {index} failed ({cls}): {record['error'][: self.config.log_prefix_chars or 100]}")
+                if cls in FATAL_CLASSES and not self.fatal_message:
+                    self.fatal_message = f"the provider refused the request ({cls}): {record['error']}"
+                    self.stopping = "fatal"
+                    self.log(f"⛔ {self.fatal_message}\n   No new prompts will be started.")
+            elif self.config.verbose:
+                self.log(f"   {'✅' if outcome == 'ok' else '🚫'} Prompt {index} {outcome}")
+        self._bar.set_postfix(counts, refresh=False)
+        self._bar.update(len(records))
+
+    def _install_signal_handlers(self, executor) -> None:
+        def on_signal(signum, frame):
+            self._interrupts += 1
+            if self._interrupts == 1:
+                self.stopping = "interrupted"
+                self.log(
+                    f"\n⏸️  Stopping: no new prompts; waiting up to {self.config.grace_period:g}s for "
+                    f"{executor.in_flight()} in-flight prompt(s). Press Ctrl-C again to quit at once."
+                )
+                return
+            # Second signal: leave now. Every committed line is already fsynced.
+            executor.terminate()
+            print("\n⏹️  Quit at once; committed rows are safe. Run again with --resume.", file=sys.stderr)
+            os._exit(EXIT_INTERRUPTED)
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+
+def cli() -> None:
+    import fire
+
+    fire.Fire(main)
+
+
+if __name__ == "__main__":
+    cli()

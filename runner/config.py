@@ -1,0 +1,107 @@
+"""The run's configuration: validated options, what config.json records, and the fingerprint.
+
+The fingerprint hashes every option that changes what a row's output would be. `--resume` compares
+it with the one saved in config.json and refuses to mix outputs of two configurations unless
+`--allow_config_change` is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, Field, SecretStr
+
+from tools.settings import ToolSettings
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
+PROVIDER_SORTS = ("price", "throughput", "latency")
+
+# Options whose change makes new rows incomparable with old ones.
+FINGERPRINT_FIELDS = (
+    "model",
+    "base_url",
+    "distribution",
+    "max_turns",
+    "max_tokens",
+    "reasoning",
+    "ephemeral_system_prompt",
+    "prefill_messages",
+    "seed",
+    "provider",
+    "tool_schema_version",
+    "terminal_env",
+    "docker_image",
+)
+
+
+class RunConfig(BaseModel):
+    dataset_file: str
+    run_name: str
+    batch_size: int
+    output_dir: str = "data"
+    distribution: str = "default"
+    model: str = "anthropic/claude-sonnet-4.6"
+    base_url: str | None = "https://openrouter.ai/api/v1"
+    api_key: SecretStr | None = Field(default=None, exclude=True)
+    max_turns: int = 10
+    num_workers: int = 4  # concurrent agent sessions
+    num_processes: int | None = None  # worker processes (default: CPU count, at most num_workers)
+    max_tokens: int | None = None
+    reasoning: dict | None = None  # the `reasoning` request field, from the reasoning flags
+    provider: dict | None = None  # the OpenRouter `provider` request field
+    ephemeral_system_prompt: str | None = None
+    prefill_messages: list[dict] = Field(default_factory=list)
+    prefill_messages_file: str | None = None
+    max_samples: int | None = None
+    seed: int | None = None
+    keep_no_reasoning: bool = False
+    skip_invalid: bool = False
+    verbose: bool = False
+    log_prefix_chars: int = 100
+    prompt_timeout: float | None = None  # wall-clock limit of one prompt, seconds
+    request_timeout: float = 600.0
+    max_requests_per_minute: float | None = None
+    grace_period: float = 30.0  # after the first Ctrl-C: how long in-flight prompts may finish
+    tool_schema_version: str = ""
+    tools: ToolSettings = Field(default_factory=ToolSettings)
+
+    @property
+    def terminal_env(self) -> str:
+        return self.tools.terminal_env
+
+    @property
+    def docker_image(self) -> str | None:
+        return self.tools.docker_image
+
+    @property
+    def discard_without_reasoning(self) -> bool:
+        """The original's no-reasoning filter; off when reasoning is disabled or it is turned off."""
+        disabled = bool(self.reasoning) and self.reasoning.get("effort") == "none"
+        return not (self.keep_no_reasoning or disabled)
+
+    def extra_body(self) -> dict | None:
+        body: dict[str, Any] = {}
+        if self.provider:
+            body["provider"] = self.provider
+        if self.reasoning is not None:
+            body["reasoning"] = self.reasoning
+        return body or None
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in FINGERPRINT_FIELDS}
+
+    def fingerprint(self) -> str:
+        blob = orjson.dumps(self.fingerprint_fields(), option=orjson.OPT_SORT_KEYS)
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def public_dict(self) -> dict:
+        """Everything config.json records: no secret (SecretStr fields are excluded)."""
+        return self.model_dump(mode="json")
+
+
+def diff_fingerprints(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Names of the fingerprinted options whose values differ."""
+    keys = sorted(set(saved) | set(current))
+    return [k for k in keys if orjson.dumps(saved.get(k), option=orjson.OPT_SORT_KEYS) != orjson.dumps(current.get(k), option=orjson.OPT_SORT_KEYS)]

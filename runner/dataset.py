@@ -1,0 +1,161 @@
+"""Reading and validating the input JSONL, and the identity of each row.
+
+The file is streamed twice instead of held in memory: `scan_dataset` validates every line before
+any model call and maps each row key to its index; `iter_rows` yields the rows again for dispatch.
+
+Row identity (`row_key`) is a hash of what the row asks for (prompt, image, cwd) plus the row's
+occurrence number among identical rows: duplicates stay distinct rows, and a reordered or
+extended dataset still resumes correctly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import orjson
+from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, field_validator
+
+
+class DatasetError(Exception):
+    """The dataset cannot be used; the message names the file (and lines) at fault."""
+
+
+class DatasetRow(BaseModel):
+    """One line of the input. Unknown fields are allowed and ignored (an `id` is carried along)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: StrictStr
+    image: StrictStr | None = None
+    docker_image: StrictStr | None = None
+    cwd: StrictStr | None = None
+    id: StrictStr | int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+@dataclass(frozen=True)
+class Row:
+    index: int  # 0-based position among the valid rows (the original's prompt_index)
+    line_no: int  # 1-based line number in the file
+    key: str
+    prompt: str
+    image: str | None
+    cwd: str | None
+    id: str | None
+
+
+@dataclass
+class DatasetScan:
+    path: Path
+    key_to_index: dict[str, int] = field(default_factory=dict)
+    errors: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
+    images: set[str] = field(default_factory=set)
+
+    @property
+    def rows(self) -> int:
+        return len(self.key_to_index)
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "row"
+    kind = first["type"]
+    if kind == "missing":
+        return f"missing '{where}' field"
+    if kind in ("string_type", "int_type") or kind.endswith("_type"):
+        return f"'{where}' must be a string, got {type(first.get('input')).__name__}"
+    return f"'{where}' {first['msg'].removeprefix('Value error, ')}"
+
+
+def _parse_line(raw: bytes) -> tuple[DatasetRow | None, str | None]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return None, f"invalid UTF-8 at byte {err.start}"
+    try:
+        value: Any = orjson.loads(text)
+    except orjson.JSONDecodeError as err:
+        return None, f"invalid JSON ({err})"
+    if not isinstance(value, dict):
+        return None, f"not a JSON object (got {type(value).__name__})"
+    try:
+        return DatasetRow.model_validate(value), None
+    except ValidationError as err:
+        return None, _describe(err)
+
+
+def content_hash(prompt: str, image: str | None, cwd: str | None) -> str:
+    blob = orjson.dumps({"cwd": cwd, "image": image, "prompt": prompt}, option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            raw = raw.strip()
+            if raw:
+                yield line_no, raw
+
+
+def _walk(path: Path, max_samples: int | None) -> Iterator[tuple[int, bytes, DatasetRow | None, str | None, str | None]]:
+    """(line_no, raw, row, error, key) for every non-blank line up to max_samples valid rows."""
+    occurrences: dict[str, int] = {}
+    valid = 0
+    for line_no, raw in _lines(path):
+        row, error = _parse_line(raw)
+        key = None
+        if row is not None:
+            if max_samples and valid >= max_samples:
+                return
+            digest = content_hash(row.prompt, row.image or row.docker_image, row.cwd)
+            occurrence = occurrences.get(digest, 0)
+            occurrences[digest] = occurrence + 1
+            key = f"{digest}-{occurrence}"
+            valid += 1
+        yield line_no, raw, row, error, key
+
+
+def scan_dataset(path: str | Path, max_samples: int | None = None) -> DatasetScan:
+    """Validate the whole file. Raises DatasetError if it is missing or has no valid row."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"Dataset file not found: {path}")
+    scan = DatasetScan(path=path)
+    for line_no, _raw, row, error, key in _walk(path, max_samples):
+        if row is None:
+            scan.errors.append((line_no, error or "invalid"))
+            continue
+        scan.key_to_index[key] = len(scan.key_to_index)
+        image = row.image or row.docker_image
+        if image:
+            scan.images.add(image)
+    if not scan.key_to_index and not scan.errors:
+        raise DatasetError(f"{path}: the dataset is empty (no JSON lines)")
+    return scan
+
+
+def iter_rows(path: str | Path, max_samples: int | None = None) -> Iterator[Row]:
+    """The valid rows in file order (invalid lines are left out: scan_dataset reported them)."""
+    index = 0
+    for line_no, _raw, row, _error, key in _walk(Path(path), max_samples):
+        if row is None:
+            continue
+        yield Row(
+            index=index,
+            line_no=line_no,
+            key=key,
+            prompt=row.prompt,
+            image=row.image or row.docker_image,
+            cwd=row.cwd,
+            id=None if row.id is None else str(row.id),
+        )
+        index += 1

@@ -1,0 +1,349 @@
+"""The run directory: the only code that writes batch files and checkpoint.json.
+
+Invariants (DESIGN §3):
+- a row is committed when its line, ending in a newline, is fsynced in a batch file;
+- committed lines are never rewritten; new work goes to new batch files after the existing ones;
+- an unterminated last line (a crash mid-write) is moved aside to `<file>.torn` before anything
+  else happens, so no new line can ever be glued onto it;
+- checkpoint.json is a cache of what the batch files say (rewritten atomically, coalesced); when
+  it disagrees with the files, the files win.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+import orjson
+
+BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
+OUTCOME_RANK = {"failed": 0, "discarded": 1, "ok": 2}  # a later attempt can only improve a row
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same folder, fsync, then rename over the target."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}_", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, value: Any) -> None:
+    atomic_write_bytes(path, orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+def record_outcome(record: dict) -> str:
+    if record.get("failed"):
+        return "failed"
+    if record.get("discarded"):
+        return "discarded"
+    return "ok"
+
+
+def record_key(record: dict) -> str | None:
+    metadata = record.get("metadata")
+    return metadata.get("row_key") if isinstance(metadata, dict) else None
+
+
+@dataclass
+class RowState:
+    outcome: str
+    prompt_index: int
+    failures: int  # failed attempts so far (the next attempt number is failures + 1)
+
+    def merge(self, outcome: str, prompt_index: int) -> None:
+        if outcome == "failed":
+            self.failures += 1
+        if OUTCOME_RANK[outcome] >= OUTCOME_RANK[self.outcome]:
+            self.outcome, self.prompt_index = outcome, prompt_index
+
+    @property
+    def committed(self) -> bool:
+        return self.outcome != "failed"
+
+
+def batch_files(run_dir: Path) -> list[Path]:
+    """Batch files in numeric order (batch_2 before batch_10)."""
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := BATCH_FILE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def iter_lines(path: Path, start: int = 0) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) for each complete line from `start`; an unterminated tail is not a line."""
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        offset = start
+        for line in handle:
+            if not line.endswith(b"\n"):
+                return
+            yield offset, line
+            offset += len(line)
+
+
+class RunLock:
+    """One runner per run directory: `.lock` holds the owner's PID; a dead owner's lock is taken over."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / ".lock"
+        self.held = False
+
+    def acquire(self, log=print) -> None:
+        host = socket.gethostname()
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                if owner and owner[1] == host and _pid_alive(owner[0]):
+                    raise RuntimeError(
+                        f"{self.path.parent} is in use by another batch_runner (PID {owner[0]}); "
+                        "wait for it to finish or stop it first"
+                    ) from None
+                log(f"ℹ️  Taking over a stale lock left by PID {owner[0] if owner else '?'} (no longer running)")
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as handle:
+                handle.write(f"{os.getpid()} {host}\n")
+            self.held = True
+            return
+        raise RuntimeError(f"could not take the lock {self.path}")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def _owner(self) -> tuple[int, str] | None:
+        try:
+            pid, host = self.path.read_text().split()[:2]
+            return int(pid), host
+        except (OSError, ValueError):
+            return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunStore:
+    CHECKPOINT_EVERY = 2.0  # seconds between coalesced checkpoint writes
+
+    def __init__(self, run_dir: Path, run_name: str, batch_size: int):
+        self.run_dir = run_dir
+        self.run_name = run_name
+        self.batch_size = batch_size
+        self.checkpoint_path = run_dir / "checkpoint.json"
+        self.rows: dict[str, RowState] = {}
+        self.file_sizes: dict[str, int] = {}
+        self.batch_stats: dict[str, dict[str, int]] = {}
+        self._handle = None
+        self._batch_num = 0
+        self._lines_in_batch = 0
+        self._last_checkpoint = 0.0
+        self._dirty = False
+
+    # --- reading what is there ------------------------------------------------------------
+
+    def repair_torn_tails(self, log=print) -> int:
+        """Move an unterminated last line of each batch file to `<file>.torn`. Returns files fixed."""
+        fixed = 0
+        for path in batch_files(self.run_dir):
+            size = path.stat().st_size
+            if size == 0:
+                continue
+            with open(path, "rb+") as handle:
+                handle.seek(size - 1)
+                if handle.read(1) == b"\n":
+                    continue
+                end = _last_newline_end(handle, size)
+                handle.seek(end)
+                torn = handle.read()
+                with open(path.with_name(path.name + ".torn"), "ab") as side:
+                    side.write(torn + b"\n")
+                    side.flush()
+                    os.fsync(side.fileno())
+                handle.truncate(end)
+                handle.flush()
+                os.fsync(handle.fileno())
+            fixed += 1
+            log(f"🩹 {path.name}: moved an unfinished last line ({len(torn)} bytes) to {path.name}.torn")
+        return fixed
+
+    def load(self, log=print) -> None:
+        """Rebuild row states from the batch files, reading only what checkpoint.json has not seen."""
+        checkpoint = self._read_checkpoint(log)
+        files = batch_files(self.run_dir)
+        cached_sizes = checkpoint.get("files") or {}
+        trusted = bool(checkpoint.get("rows") is not None) and all(
+            (self.run_dir / name).exists() and (self.run_dir / name).stat().st_size >= size
+            for name, size in cached_sizes.items()
+        )
+        if trusted:
+            for key, (outcome, index, failures) in checkpoint["rows"].items():
+                self.rows[key] = RowState(outcome, index, failures)
+            self.batch_stats = checkpoint.get("batch_stats") or {}
+        for path in files:
+            start = cached_sizes.get(path.name, 0) if trusted else 0
+            end = start
+            for offset, line in iter_lines(path, start):
+                end = offset + len(line)
+                record = _parse(line)
+                key = record_key(record) if record else None
+                if key is None:
+                    continue
+                outcome = record_outcome(record)
+                self._note(key, outcome, int(record.get("prompt_index", -1)))
+                self._count_batch(str(record["metadata"].get("batch_num", path.stem.split("_")[1])), outcome)
+            self.file_sizes[path.name] = max(end, start)
+        self._batch_num = int(BATCH_FILE.match(files[-1].name).group(1)) + 1 if files else 0
+
+    def _read_checkpoint(self, log) -> dict:
+        if not self.checkpoint_path.exists():
+            return {}
+        try:
+            data = orjson.loads(self.checkpoint_path.read_bytes())
+        except (OSError, orjson.JSONDecodeError) as err:
+            log(f"⚠️  checkpoint.json is unreadable ({err}); rebuilding it from the batch files")
+            return {}
+        if not isinstance(data, dict) or data.get("run_name") != self.run_name:
+            return {}
+        return data
+
+    def _note(self, key: str, outcome: str, prompt_index: int) -> None:
+        state = self.rows.get(key)
+        if state is None:
+            self.rows[key] = RowState(outcome, prompt_index, 1 if outcome == "failed" else 0)
+        else:
+            state.merge(outcome, prompt_index)
+
+    def _count_batch(self, batch: str, outcome: str) -> None:
+        stats = self.batch_stats.setdefault(batch, {"processed": 0, "ok": 0, "discarded_no_reasoning": 0, "failed": 0})
+        stats["processed"] += 1
+        stats[{"ok": "ok", "discarded": "discarded_no_reasoning", "failed": "failed"}[outcome]] += 1
+
+    def is_committed(self, key: str) -> bool:
+        state = self.rows.get(key)
+        return state is not None and state.committed
+
+    def failures(self, key: str) -> int:
+        state = self.rows.get(key)
+        return state.failures if state else 0
+
+    # --- writing ----------------------------------------------------------------------------
+
+    def commit(self, records: list[dict]) -> None:
+        """Append records (one line each) and fsync once for the group: they are then committed."""
+        if not records:
+            return
+        for record in records:
+            key = record_key(record)
+            if key is None:
+                raise ValueError("a record without metadata.row_key cannot be committed")
+            if self.is_committed(key):
+                continue  # a result that arrived twice (e.g. a retried Ray task): keep the first
+            if self._handle is None or self._lines_in_batch >= self.batch_size:
+                self._rotate()
+            record["metadata"]["batch_num"] = self._batch_num
+            line = orjson.dumps(record) + b"\n"
+            self._handle.write(line)
+            self._lines_in_batch += 1
+            outcome = record_outcome(record)
+            self._note(key, outcome, record["prompt_index"])
+            self._count_batch(str(self._batch_num), outcome)
+        if self._handle is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self.file_sizes[Path(self._handle.name).name] = self._handle.tell()
+        self._dirty = True
+        self.save_checkpoint()
+
+    def _rotate(self) -> None:
+        if self._handle is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self.file_sizes[Path(self._handle.name).name] = self._handle.tell()
+            self._handle.close()
+            self._batch_num += 1
+        path = self.run_dir / f"batch_{self._batch_num}.jsonl"
+        self._handle = open(path, "ab")
+        self._lines_in_batch = 0
+        _fsync_dir(self.run_dir)  # the new file's name must survive a crash too
+
+    def save_checkpoint(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and (not self._dirty or now - self._last_checkpoint < self.CHECKPOINT_EVERY):
+            return
+        completed = sorted({s.prompt_index for s in self.rows.values() if s.committed and s.prompt_index >= 0})
+        atomic_write_json(
+            self.checkpoint_path,
+            {
+                "run_name": self.run_name,
+                "completed_prompts": completed,
+                "batch_stats": self.batch_stats,
+                "last_updated": datetime.now().isoformat(),
+                "files": self.file_sizes,
+                "rows": {k: [s.outcome, s.prompt_index, s.failures] for k, s in self.rows.items()},
+            },
+        )
+        self._last_checkpoint = now
+        self._dirty = False
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+            self._handle = None
+        self.save_checkpoint(force=True)
+
+
+def _parse(line: bytes) -> dict | None:
+    try:
+        value = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _last_newline_end(handle, size: int) -> int:
+    """Offset just after the last newline in the file (0 if there is none)."""
+    position = size
+    while position > 0:
+        step = min(65536, position)
+        position -= step
+        handle.seek(position)
+        chunk = handle.read(step)
+        found = chunk.rfind(b"\n")
+        if found >= 0:
+            return position + found + 1
+    return 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,231 @@
+"""One prompt, start to finish, and the worker process that runs many of them at once.
+
+A worker process runs an asyncio loop with many concurrent sessions: a session spends nearly all
+its time waiting for the model, so an extra session costs a coroutine and a little memory, not a
+process. Blocking work (subprocesses, the Docker SDK, file IO) runs in threads via
+`asyncio.to_thread`. Workers never touch the run directory: every outcome goes back to the parent
+as a record, and the parent commits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import datetime
+from typing import Any
+
+from agent.loop import LoopConfig, run_conversation
+from agent.model_client import ModelClient, RetryPolicy, SessionModel
+from agent.trajectory import extract_reasoning_stats, extract_tool_stats, normalise_tool_stats, to_sharegpt
+from agent.types import ProviderError
+from runner.config import RunConfig
+from tools.environments.base import SandboxError
+from tools.registry import TOOL_TO_TOOLSET, ToolContext, tools_for_toolsets
+from toolset_distributions import rng_for_row, sample_toolsets_from_distribution
+
+ENV_TOOLSETS = {"terminal", "file"}  # toolsets whose tools need the sandbox
+
+
+class WorkerRuntime:
+    """What one worker process shares between its sessions: built once, not per prompt."""
+
+    def __init__(self, config: RunConfig, unavailable: dict[str, str], sessions: int, log=None):
+        self.config = config
+        self.unavailable = unavailable
+        self.log = log or (lambda text: None)
+        if config.model == "mock":
+            from agent.mock_model import MockModelClient
+
+            self.client: Any = MockModelClient()
+        else:
+            self.client = ModelClient(
+                config.base_url,
+                config.api_key.get_secret_value() if config.api_key else None,
+                max_in_flight=sessions,
+                requests_per_minute=config.max_requests_per_minute,
+                policy=RetryPolicy(request_timeout=config.request_timeout),
+            )
+        self.loop_config = LoopConfig(
+            max_iterations=config.max_turns,
+            ephemeral_system_prompt=config.ephemeral_system_prompt,
+            prefill_messages=list(config.prefill_messages),
+        )
+
+
+def _metadata(task: dict, config: RunConfig, started: float, session: SessionModel | None, **extra: Any) -> dict:
+    stats = session.stats if session else None
+    return {
+        "batch_num": None,  # set by the parent when it commits the row
+        "timestamp": datetime.now().isoformat(),
+        "model": config.model,
+        "row_key": task["key"],
+        "id": task.get("id"),
+        "run_id": config.tools.run_id,
+        "attempt": task["attempt"],
+        "duration_seconds": round(time.monotonic() - started, 3),
+        "usage": stats.as_dict() if stats else {},
+        **extra,
+    }
+
+
+def _failed(task: dict, config: RunConfig, started: float, session, error: str, error_class: str) -> dict:
+    return {
+        "prompt_index": task["index"],
+        "failed": True,
+        "error": error,
+        "error_class": error_class,
+        "prompt": task["prompt"],
+        "metadata": _metadata(task, config, started, session),
+    }
+
+
+async def _cleanup(ctx: ToolContext | None, env: Any) -> None:
+    if ctx is not None:
+        for fn in reversed(ctx.cleanups):
+            try:
+                value = fn()
+                if asyncio.iscoroutine(value):
+                    await value
+            except Exception:
+                pass
+    if env is not None:
+        try:
+            await asyncio.to_thread(env.cleanup)
+        except Exception:
+            pass
+
+
+async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
+    """Run one dataset row and return the record to commit (ok, discarded or failed)."""
+    config = runtime.config
+    started = time.monotonic()
+    session: SessionModel | None = None
+    ctx: ToolContext | None = None
+    env = None
+    try:
+        rng = rng_for_row(config.seed, task["key"]) if config.seed is not None else random.Random()
+        toolsets = sample_toolsets_from_distribution(config.distribution, rng)
+        tools = tools_for_toolsets(toolsets, runtime.unavailable)
+        session = SessionModel(runtime.client, config.model, config.max_tokens, config.extra_body())
+        if any(TOOL_TO_TOOLSET.get(spec.name) in ENV_TOOLSETS for spec in tools):
+            from tools.environments.factory import create_environment
+
+            env = create_environment(config.tools, task_id=task["task_id"], image=task.get("image"), cwd=task.get("cwd"))
+            await asyncio.to_thread(env.start)
+        ctx = ToolContext(env=env, settings=config.tools, model=session, task_id=task["task_id"])
+        runtime.log(f"[P{task['index']}] toolsets {toolsets}, {len(tools)} tools")
+        result = await asyncio.wait_for(
+            run_conversation(task["prompt"], model=session, tools=tools, ctx=ctx, config=runtime.loop_config),
+            config.prompt_timeout,
+        )
+        raw_stats = extract_tool_stats(result.messages)
+        tool_stats, tool_error_counts = normalise_tool_stats(raw_stats)
+        reasoning_stats = extract_reasoning_stats(result.messages)
+        metadata = _metadata(
+            task,
+            config,
+            started,
+            session,
+            seed=config.seed,
+            tools_offered=[spec.name for spec in tools],
+            stop_reason=result.error or ("turn_limit" if result.hit_turn_limit else "final_answer"),
+        )
+        common = {
+            "api_calls": result.api_calls,
+            "toolsets_used": toolsets,
+            "tool_stats": tool_stats,
+            "tool_error_counts": tool_error_counts,
+            "reasoning_stats": reasoning_stats,
+        }
+        if config.discard_without_reasoning and reasoning_stats["turns_with_reasoning"] == 0:
+            return {"prompt_index": task["index"], "discarded": "no_reasoning", "prompt": task["prompt"].strip(),
+                    "metadata": metadata, **common}
+        return {
+            "prompt_index": task["index"],
+            "conversations": to_sharegpt(result.messages, task["prompt"], tools),
+            "metadata": metadata,
+            "completed": result.completed,
+            "partial": result.partial,
+            **common,
+        }
+    except ProviderError as err:
+        return _failed(task, config, started, session, str(err), err.error_class)
+    except SandboxError as err:
+        return _failed(task, config, started, session, f"environment: {err}", "environment")
+    except asyncio.TimeoutError:
+        return _failed(task, config, started, session, f"prompt took longer than {config.prompt_timeout:g}s", "timeout")
+    except Exception as err:  # a bug in our code fails this row only, with its traceback
+        detail = "".join(traceback.format_exception_only(type(err), err)).strip()
+        runtime.log(f"[P{task['index']}] agent error:\n{traceback.format_exc()}")
+        return _failed(task, config, started, session, detail, "agent")
+    finally:
+        await _cleanup(ctx, env)
+
+
+# --- the worker process ---------------------------------------------------------------------
+
+
+def worker_main(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, tasks, results) -> None:
+    """Entry point of a worker process: serve tasks from `tasks` until a None arrives."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides how to stop on Ctrl-C
+    asyncio.run(_serve(worker_id, config, unavailable, sessions, tasks, results))
+
+
+async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, tasks, results) -> None:
+    loop = asyncio.get_running_loop()
+    parent = os.getppid()
+    inbox: asyncio.Queue = asyncio.Queue()
+    verbose = config.verbose
+
+    def log(text: str) -> None:
+        if verbose:
+            results.put(("log", worker_id, text))
+
+    runtime = WorkerRuntime(config, unavailable, sessions, log)
+    running: set[asyncio.Task] = set()
+
+    def read_tasks() -> None:  # mp.Queue.get blocks, so it lives in its own thread
+        while True:
+            item = tasks.get()
+            loop.call_soon_threadsafe(inbox.put_nowait, item)
+            if item is None:
+                return
+
+    def stop_now() -> None:  # SIGTERM: cancel sessions; their finally blocks remove sandboxes
+        for t in list(running):
+            t.cancel()
+        inbox.put_nowait(None)
+
+    loop.add_signal_handler(signal.SIGTERM, stop_now)
+    threading.Thread(target=read_tasks, daemon=True).start()
+
+    async def handle(task: dict) -> None:
+        record = await process_row(task, runtime)
+        results.put(("result", worker_id, record))
+
+    async def watch_parent() -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        stop_now()  # orphaned: the parent died, nobody would commit our results
+
+    watchdog = asyncio.create_task(watch_parent())
+    results.put(("ready", worker_id, None))
+    while True:
+        task = await inbox.get()
+        if task is None:
+            break
+        job = asyncio.create_task(handle(task))
+        running.add(job)
+        job.add_done_callback(running.discard)
+    if running:
+        await asyncio.gather(*running, return_exceptions=True)
+    watchdog.cancel()
+    await runtime.client.close()
+    if "tools.browser_tools" in sys.modules:  # only if a session used the browser in this process
+        await sys.modules["tools.browser_tools"].shutdown_browser()

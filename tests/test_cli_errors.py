@@ -1,0 +1,156 @@
+"""The CLI's validation: every error is one clear line and a non-zero exit, before any work."""
+
+from __future__ import annotations
+
+import time
+
+from tests.conftest import REPO, run_cli, write_jsonl
+
+
+def _mock_run(tmp_path, *extra):
+    return ["--batch_size=2", "--model=mock", *extra]
+
+
+def test_list_distributions_prints_catalogue_and_exits_zero(tmp_path):
+    started = time.monotonic()
+    proc = run_cli(["--list_distributions"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("📊 Available Toolset Distributions\n" + "=" * 70)
+    names = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("📊 Distribution: ")]
+    assert names == sorted(names) and len(names) == 17
+    assert "     • terminal        : 100% chance" in out
+    assert "--run_name=my_run --distribution=<name>" in out
+    assert not (tmp_path / "data").exists()
+    assert time.monotonic() - started < 5  # (the 0.5 s start-up target is measured in bench/)
+
+
+def test_missing_required_flags(tmp_path):
+    for args, needle in (
+        (["--batch_size=2", "--run_name=r"], "--dataset_file is required"),
+        (["--dataset_file=x.jsonl", "--run_name=r"], "--batch_size is required"),
+        (["--dataset_file=x.jsonl", "--batch_size=2"], "--run_name is required"),
+        (["--dataset_file=x.jsonl", "--batch_size=0", "--run_name=r"], "--batch_size must be an integer >= 1"),
+        (["--dataset_file=x.jsonl", "--batch_size=abc", "--run_name=r"], "--batch_size must be an integer >= 1"),
+    ):
+        proc = run_cli(args, tmp_path)
+        assert proc.returncode == 1, (args, proc.stdout, proc.stderr)
+        assert needle in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_run_name_cannot_leave_output_dir(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    for name in ("../x", "a/b", "..", ".hidden"):
+        proc = run_cli([f"--dataset_file={data}", f"--run_name={name}", *_mock_run(tmp_path)], tmp_path)
+        assert proc.returncode == 1
+        assert "is not allowed" in proc.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "data").exists()
+
+
+def test_numeric_run_name_works(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Explain rainbows briefly."}])
+    proc = run_cli([f"--dataset_file={data}", "--run_name=123", "--distribution=minimal", *_mock_run(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "data" / "123" / "trajectories.jsonl").exists()
+
+
+def test_bad_options_are_refused(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    common = [f"--dataset_file={data}", "--run_name=r", *_mock_run(tmp_path)]
+    for extra, needle in (
+        (["--distribution=nope"], "unknown --distribution='nope'"),
+        (["--reasoning_effort=extreme"], "--reasoning_effort must be one of: none, minimal, low, medium, high, xhigh, max, ultra"),
+        (["--num_workers=0"], "--num_workers must be an integer >= 1"),
+        (["--provider_sort=cheapest"], "--provider_sort must be one of: price, throughput, latency"),
+        (["--prefill_messages_file=missing.json"], "cannot load --prefill_messages_file"),
+        (["--terminal_env=vm"], "--terminal_env must be local, docker, singularity or modal"),
+    ):
+        proc = run_cli(common + extra, tmp_path)
+        assert proc.returncode == 1, extra
+        assert needle in proc.stderr, (extra, proc.stderr)
+
+
+def test_prefill_file_must_be_an_array(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    (tmp_path / "p.json").write_text('{"role": "user"}')
+    proc = run_cli([f"--dataset_file={data}", "--run_name=r", "--prefill_messages_file=p.json", *_mock_run(tmp_path)], tmp_path)
+    assert proc.returncode == 1
+    assert "must contain a JSON array of messages" in proc.stderr
+
+
+def test_remote_model_without_key_stops_before_work(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    proc = run_cli([f"--dataset_file={data}", "--run_name=r", "--batch_size=1"], tmp_path)
+    assert proc.returncode == 1
+    assert "--api_key" in proc.stderr and "--model=mock" in proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_missing_and_empty_dataset(tmp_path):
+    proc = run_cli(["--dataset_file=nope.jsonl", "--run_name=r", *_mock_run(tmp_path)], tmp_path)
+    assert proc.returncode == 1 and "Dataset file not found: nope.jsonl" in proc.stderr
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    proc = run_cli(["--dataset_file=empty.jsonl", "--run_name=r", *_mock_run(tmp_path)], tmp_path)
+    assert proc.returncode == 1 and "empty" in proc.stderr
+
+
+def test_invalid_lines_are_all_named_and_nothing_runs(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    with open(path, "wb") as handle:
+        handle.write(b'{"prompt": "fine"}\n')  # 1
+        handle.write(b'{"prompt": \n')  # 2 invalid JSON
+        handle.write(b'["prompt"]\n')  # 3 not an object
+        handle.write(b'{"text": "x"}\n')  # 4 missing prompt
+        handle.write(b'{"prompt": "   "}\n')  # 5 empty prompt
+        handle.write(b'{"prompt": 42}\n')  # 6 non-string prompt
+        handle.write(b'{"prompt": "ok", "image": 5}\n')  # 7 wrong image type
+        handle.write(b'{"prompt": "ok", "cwd": ["a"]}\n')  # 8 wrong cwd type
+        handle.write(b'{"prompt": "caf\xe9"}\n')  # 9 invalid UTF-8
+        handle.write(b'\n')  # 10 blank: ignored
+        handle.write(b'{"prompt": "also fine", "id": 7}\n')  # 11
+    proc = run_cli(["--dataset_file=bad.jsonl", "--run_name=r", *_mock_run(tmp_path)], tmp_path)
+    assert proc.returncode == 1
+    err = proc.stderr
+    expected = {
+        2: "invalid JSON",
+        3: "not a JSON object (got list)",
+        4: "missing 'prompt' field",
+        5: "'prompt' must not be empty",
+        6: "'prompt' must be a string, got int",
+        7: "'image' must be a string",
+        8: "'cwd' must be a string",
+        9: "invalid UTF-8",
+    }
+    for line_no, reason in expected.items():
+        matching = [line for line in err.splitlines() if line.strip().startswith(f"bad.jsonl:{line_no}:")]
+        assert matching and reason in matching[0], (line_no, err)
+    assert "bad.jsonl:1:" not in err and "bad.jsonl:10:" not in err and "bad.jsonl:11:" not in err
+    assert "8 invalid line(s)" in err and "--skip_invalid" in err
+    assert not (tmp_path / "data" / "r").exists() or not list((tmp_path / "data" / "r").glob("batch_*"))
+
+    proc = run_cli(["--dataset_file=bad.jsonl", "--run_name=r", "--skip_invalid", "--distribution=minimal",
+                    *_mock_run(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Skipping 8 invalid line(s)" in proc.stdout
+    rows = (tmp_path / "data" / "r" / "trajectories.jsonl").read_text().splitlines()
+    assert len(rows) == 2
+
+
+def test_rerun_without_resume_is_refused(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Explain tides."}])
+    args = [f"--dataset_file={data}", "--run_name=r", "--distribution=minimal", *_mock_run(tmp_path)]
+    assert run_cli(args, tmp_path).returncode == 0
+    before = (tmp_path / "data" / "r" / "batch_0.jsonl").read_bytes()
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 1
+    assert "--resume" in proc.stderr and "--overwrite" in proc.stderr
+    assert (tmp_path / "data" / "r" / "batch_0.jsonl").read_bytes() == before
+    proc = run_cli(args + ["--overwrite"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert len((tmp_path / "data" / "r" / "trajectories.jsonl").read_text().splitlines()) == 1
+
+
+def test_repo_has_example_dataset():
+    lines = (REPO / "data" / "example_prompts.jsonl").read_text().splitlines()
+    assert len(lines) >= 10

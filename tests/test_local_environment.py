@@ -1,0 +1,244 @@
+"""The local backend with real subprocesses: timeouts, output, working directories, cleanup, bwrap."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+from tools.environments.base import SandboxError
+from tools.environments.local import LocalConfig, LocalEnvironment
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+
+@pytest.fixture
+def make_env(tmp_path):
+    envs = []
+
+    def make(**overrides):
+        config = {"task_id": "task-1", "workdir_root": str(tmp_path / "work"), **overrides}
+        env = LocalEnvironment(LocalConfig(**config))
+        env.start()
+        envs.append(env)
+        return env
+
+    yield make
+    for env in envs:
+        env.cleanup()
+
+
+def alive(pid: int) -> bool:
+    """True if the process exists and is not a zombie (this container's init may not reap them)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def session_pids(env: LocalEnvironment) -> list[int]:
+    marker = f"ABR_LOCAL_SESSION={env._marker}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.append(int(name))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def test_output_is_interleaved_and_exit_code_kept(make_env):
+    env = make_env()
+    result = env.execute("echo one; echo two >&2; echo three; exit 3")
+    assert result.output == "one\ntwo\nthree\n"
+    assert result.exit_code == 3 and not result.timed_out
+    assert env.execute("kill -9 $$").exit_code == 137  # killed by a signal: 128 + 9, as in a shell
+
+
+def test_timeout_kills_the_command_and_its_children(make_env):
+    env = make_env()
+    began = time.monotonic()
+    result = env.execute("echo started; sh -c 'sleep 30' & echo $! > child.pid; sleep 30", timeout=1)
+    assert time.monotonic() - began < 5
+    assert result.exit_code == 124 and result.timed_out
+    assert "started" in result.output  # partial output survives the kill
+    child = int(env.read_file("child.pid"))
+    deadline = time.monotonic() + 3
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def test_default_timeout_comes_from_the_config(make_env):
+    env = make_env(command_timeout=0.5)
+    assert env.execute("sleep 10").exit_code == 124
+
+
+def test_long_output_is_truncated_keeping_head_and_tail(make_env):
+    env = make_env(max_output_chars=1000)
+    result = env.execute("seq 1 100000")
+    assert len(result.output) < 1200
+    assert result.output.startswith("1\n2\n") and result.output.endswith("99999\n100000\n")
+    assert "omitted" in result.output
+
+
+def test_undecodable_output_is_replaced(make_env):
+    assert "\ufffd" in make_env().execute(r"printf 'ok \377\n'").output
+
+
+def test_cwd_argument(make_env):
+    env = make_env()
+    env.write_file("sub/marker.txt", b"here")
+    assert env.execute("cat marker.txt", cwd="sub").output == "here"
+    assert env.execute("pwd", cwd=env.workdir + "/sub").output.strip() == env.workdir + "/sub"
+    missing = env.execute("pwd", cwd="nope")
+    assert missing.exit_code != 0 and "nope" in missing.output
+
+
+def test_workdir_is_named_after_the_task_and_removed(make_env, tmp_path):
+    env = make_env(task_id="row 7/a")
+    assert os.path.basename(env.workdir).startswith("row_7_a-")
+    assert os.path.dirname(env.workdir) == str(tmp_path / "work")
+    assert env.execute("pwd").output.strip() == env.workdir
+    env.execute("mkdir -p locked/inner && touch locked/inner/f && chmod 500 locked/inner locked")
+    env.cleanup()
+    assert not os.path.exists(env.workdir)
+    env.cleanup()  # twice is fine
+
+
+def test_keep_workdir(make_env):
+    env = make_env(keep_workdir=True)
+    env.write_file("result.txt", b"kept")
+    env.cleanup()
+    assert open(os.path.join(env.workdir, "result.txt")).read() == "kept"
+
+
+def test_row_cwd_is_used_and_never_removed(make_env, tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "README").write_text("hello")
+    env = make_env(cwd=str(repo))
+    assert env.workdir == str(repo)
+    assert env.execute("cat README").output == "hello"
+    env.cleanup()
+    assert (repo / "README").read_text() == "hello"
+
+
+def test_missing_row_cwd_is_a_sandbox_error(tmp_path):
+    env = LocalEnvironment(LocalConfig(task_id="t", cwd=str(tmp_path / "absent")))
+    with pytest.raises(SandboxError, match="does not exist"):
+        env.start()
+    env.cleanup()  # safe after a failed start
+
+
+def test_read_and_write_files(make_env):
+    env = make_env()
+    env.write_file("a/b/c.txt", "héllo\n".encode())
+    assert env.read_file("a/b/c.txt") == "héllo\n".encode()
+    assert env.read_file(os.path.join(env.workdir, "a/b/c.txt")).decode() == "héllo\n"
+    assert env.execute("cat a/b/c.txt").output == "héllo\n"
+    with pytest.raises(FileNotFoundError):
+        env.read_file("missing.txt")
+
+
+def test_cleanup_kills_background_processes(make_env):
+    env = make_env()
+    plain = int(env.execute("sleep 60 >/dev/null 2>&1 & echo $!").output)
+    detached = int(env.execute("setsid sleep 61 >/dev/null 2>&1 & echo $!").output)  # left our group
+    assert alive(plain) and alive(detached)
+    env.cleanup()
+    assert not alive(plain) and not alive(detached)
+
+
+def test_background_child_does_not_hold_the_result(make_env):
+    began = time.monotonic()
+    result = make_env().execute("sleep 20 & echo quick")  # the child keeps stdout open
+    assert result.output == "quick\n" and time.monotonic() - began < 5
+
+
+def test_secrets_are_not_passed_to_commands(make_env, monkeypatch):
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-very-secret")
+    monkeypatch.setenv("ABR_HARMLESS", "visible")
+    output = make_env().execute("env").output
+    assert "sk-very-secret" not in output and "ABR_HARMLESS=visible" in output
+
+
+def test_unknown_sandbox_is_refused(tmp_path):
+    with pytest.raises(SandboxError, match="bwrap"):
+        LocalEnvironment(LocalConfig(task_id="t", workdir_root=str(tmp_path), sandbox="firejail")).start()
+
+
+def test_missing_bwrap_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setattr("tools.environments.local.shutil.which", lambda name: None)
+    env = LocalEnvironment(LocalConfig(task_id="t", workdir_root=str(tmp_path), sandbox="bwrap"))
+    with pytest.raises(SandboxError, match="apt-get install bubblewrap"):
+        env.start()
+
+
+# ------------------------------------------------------------------------------------------- bwrap
+
+
+@needs_bwrap
+def test_bwrap_host_is_read_only_and_workdir_writable(make_env, tmp_path):
+    (tmp_path / "host.txt").write_text("host")
+    env = make_env(sandbox="bwrap")
+    marker = "/etc/abr-sandbox-probe"
+    try:
+        denied = env.execute(f"touch {marker}")
+        assert denied.exit_code != 0 and "Read-only" in denied.output
+        assert not os.path.exists(marker)
+    finally:
+        if os.path.exists(marker):
+            os.remove(marker)
+    assert env.execute("echo made > out.txt && cat out.txt").output == "made\n"
+    assert open(os.path.join(env.workdir, "out.txt")).read() == "made\n"
+    # /tmp is private: the host's /tmp (where tmp_path lives) is not visible.
+    assert env.execute(f"cat {tmp_path}/host.txt").exit_code != 0
+
+
+@needs_bwrap
+def test_bwrap_private_tmp_persists_between_commands(make_env):
+    env = make_env(sandbox="bwrap")
+    name = f"/tmp/abr-private-{os.getpid()}"
+    assert env.execute(f"echo kept > {name}").exit_code == 0
+    assert env.execute(f"cat {name}").output == "kept\n"
+    assert env.read_file(name) == b"kept\n"  # file access sees the sandbox's /tmp too
+    env.write_file(f"{name}-2", b"from host side")
+    assert env.execute(f"cat {name}-2").output == "from host side"
+    assert not os.path.exists(name)
+    with pytest.raises(OSError):
+        env.write_file("/etc/abr-sandbox-write", b"x")
+
+
+@needs_bwrap
+def test_bwrap_has_no_network_and_its_own_pid_namespace(make_env):
+    env = make_env(sandbox="bwrap")
+    interfaces = env.execute("tail -n +3 /proc/net/dev | cut -d: -f1").output.split()
+    assert interfaces == ["lo"]
+    assert "bwrap" in env.execute("tr '\\0' ' ' < /proc/1/cmdline").output
+    count = int(env.execute("ls /proc | grep -c '^[0-9]'").output)
+    assert count < 10  # only the sandbox's own processes are visible
+
+
+@needs_bwrap
+def test_bwrap_timeout_and_cleanup_kill_everything(make_env):
+    env = make_env(sandbox="bwrap")
+    began = time.monotonic()
+    result = env.execute("sleep 30 & sleep 30", timeout=1)
+    assert result.exit_code == 124 and time.monotonic() - began < 5
+    survivors = env.execute("cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '").output
+    assert "sleep 30" not in survivors
+    env.execute("sleep 60 >/dev/null 2>&1 &")
+    assert "sleep 60" in env.execute("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").output  # it survived
+    assert session_pids(env)
+    env.cleanup()
+    deadline = time.monotonic() + 3
+    while session_pids(env) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert session_pids(env) == []
+    assert not os.path.exists(env.workdir)

@@ -1,0 +1,125 @@
+"""Unit tests of the run directory: commits, torn tails, the checkpoint cache, the lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from runner.store import RunLock, RunStore, batch_files, iter_lines
+
+
+def _record(key: str, index: int, outcome: str = "ok") -> dict:
+    record = {"prompt_index": index, "metadata": {"row_key": key}}
+    if outcome == "failed":
+        record.update(failed=True, error="boom", error_class="provider")
+    elif outcome == "discarded":
+        record.update(discarded="no_reasoning", prompt="p")
+    else:
+        record.update(conversations=[], tool_stats={})
+    return record
+
+
+def test_commit_rotates_files_and_assigns_batch_numbers(tmp_path):
+    store = RunStore(tmp_path, "r", batch_size=2)
+    store.load()
+    store.commit([_record(f"k{i}", i) for i in range(5)])
+    store.close()
+    assert [p.name for p in batch_files(tmp_path)] == ["batch_0.jsonl", "batch_1.jsonl", "batch_2.jsonl"]
+    nums = [json.loads(line)["metadata"]["batch_num"] for p in batch_files(tmp_path) for _, line in iter_lines(p)]
+    assert nums == [0, 0, 1, 1, 2]
+    checkpoint = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert checkpoint["completed_prompts"] == [0, 1, 2, 3, 4]
+    assert checkpoint["batch_stats"]["1"]["processed"] == 2
+
+
+def test_resume_writes_new_files_after_existing_and_never_rewrites(tmp_path):
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load()
+    store.commit([_record("a", 0), _record("b", 1, "failed")])
+    store.close()
+    before = (tmp_path / "batch_0.jsonl").read_bytes()
+    again = RunStore(tmp_path, "r", batch_size=10)
+    again.load()
+    assert again.is_committed("a") and not again.is_committed("b") and again.failures("b") == 1
+    again.commit([_record("b", 1)])
+    again.close()
+    assert (tmp_path / "batch_0.jsonl").read_bytes() == before
+    assert (tmp_path / "batch_1.jsonl").exists()
+    third = RunStore(tmp_path, "r", batch_size=10)
+    third.load()
+    assert third.is_committed("b") and third.failures("b") == 1
+
+
+def test_duplicate_results_commit_once(tmp_path):
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load()
+    store.commit([_record("a", 0), _record("a", 0)])
+    store.commit([_record("a", 0)])
+    store.close()
+    assert len((tmp_path / "batch_0.jsonl").read_text().splitlines()) == 1
+
+
+def test_torn_tail_is_moved_aside_and_never_glued(tmp_path):
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load()
+    store.commit([_record("a", 0)])
+    store.close()
+    path = tmp_path / "batch_0.jsonl"
+    with open(path, "ab") as handle:
+        handle.write(b'{"prompt_index": 1, "metadata": {"row_key": "b"')  # killed mid-write
+    again = RunStore(tmp_path, "r", batch_size=10)
+    assert again.repair_torn_tails(log=lambda s: None) == 1
+    again.load()
+    assert not again.is_committed("b")
+    again.commit([_record("b", 1)])
+    again.close()
+    for p in batch_files(tmp_path):
+        for line in p.read_text().splitlines():
+            json.loads(line)  # every line parses: nothing was glued
+    assert (tmp_path / "batch_0.jsonl.torn").read_bytes().startswith(b'{"prompt_index": 1')
+
+
+def test_checkpoint_cache_is_used_and_tail_after_it_is_read(tmp_path):
+    store = RunStore(tmp_path, "r", batch_size=100)
+    store.load()
+    store.commit([_record("a", 0)])
+    store.close()
+    # A line committed after the last checkpoint save (crash before the coalesced write).
+    with open(tmp_path / "batch_0.jsonl", "ab") as handle:
+        handle.write(json.dumps(_record("b", 1) | {"metadata": {"row_key": "b", "batch_num": 0}}).encode() + b"\n")
+    again = RunStore(tmp_path, "r", batch_size=100)
+    again.load()
+    assert again.is_committed("a") and again.is_committed("b")
+    # A corrupt checkpoint is ignored: the batch files are the truth.
+    (tmp_path / "checkpoint.json").write_text("{not json")
+    third = RunStore(tmp_path, "r", batch_size=100)
+    third.load(log=lambda s: None)
+    assert third.is_committed("a") and third.is_committed("b")
+
+
+def test_checkpoint_of_another_run_is_ignored(tmp_path):
+    (tmp_path / "checkpoint.json").write_text(json.dumps({"run_name": "other", "rows": {"x": ["ok", 0, 0]}, "files": {}}))
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load()
+    assert not store.is_committed("x")
+
+
+def test_lock_refuses_live_owner_and_takes_over_dead_one(tmp_path):
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    with pytest.raises(RuntimeError, match="in use by another batch_runner"):
+        RunLock(tmp_path).acquire()
+    lock.release()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = os.uname().nodename
+    (tmp_path / ".lock").write_text(f"{dead.stdout.strip()} {host}\n")
+    messages = []
+    taker = RunLock(tmp_path)
+    taker.acquire(log=messages.append)
+    assert "stale lock" in messages[0]
+    assert (tmp_path / ".lock").read_text().split()[0] == str(os.getpid())
+    taker.release()

@@ -1,0 +1,1 @@
+"""Tool schemas, their implementations, the toolset registry and the sandboxes they run in."""

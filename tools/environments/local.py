@@ -1,0 +1,267 @@
+"""Local backend: a fresh working directory per prompt on this machine, optionally inside bubblewrap.
+
+Without a sandbox, commands run as the runner's own user with full access to the host: fast, and
+fine for trusted prompts. With `sandbox="bwrap"` each session gets one bubblewrap sandbox that
+behaves like a small container: the host filesystem read-only, the working directory writable, a
+private /tmp, no network (only `lo`) and its own PID namespace. A long-lived `cat` keeps the
+sandbox alive and every command joins its namespaces with `nsenter`, so background processes and
+files in /tmp survive from one command to the next, as they do in a Docker container.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+
+from pydantic import BaseModel
+
+from tools.environments.base import ExecResult, SandboxError, quote, truncate_output
+
+BWRAP_MISSING = "--sandbox=bwrap needs bubblewrap: apt-get install bubblewrap"
+# Variables that look like credentials never reach commands: a model that runs `env` would
+# otherwise copy the runner's API keys into its trajectory.
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+# Every process a session starts inherits this marker, so cleanup() finds them all, even ones that
+# left our process group (setsid, daemons), without ever touching another session's processes.
+_MARKER_VAR = "ABR_LOCAL_SESSION"
+
+
+class LocalConfig(BaseModel):
+    task_id: str
+    workdir_root: str | None = None  # parent of the per-prompt working directories (default: temp dir)
+    cwd: str | None = None  # the row's own working directory: used as is and never deleted
+    keep_workdir: bool = False
+    sandbox: str | None = None  # "bwrap" or None
+    max_output_chars: int = 50_000
+    command_timeout: float = 180
+
+
+class LocalEnvironment:
+    def __init__(self, config: LocalConfig):
+        self.config = config
+        self.workdir = ""
+        self._owns_workdir = False
+        self._marker = uuid.uuid4().hex
+        self._holder: subprocess.Popen | None = None  # bwrap: keeps the sandbox alive
+        self._sandbox_pid = 0  # bwrap: host pid of the sandbox's init process
+        self._sandbox_ns: tuple[int, int] | None = None  # its pid namespace, to never kill a recycled pid
+
+    def start(self) -> None:
+        cfg = self.config
+        if cfg.sandbox not in (None, "bwrap"):
+            raise SandboxError(f"unknown sandbox {cfg.sandbox!r}: the local backend supports only 'bwrap'")
+        if cfg.sandbox and shutil.which("bwrap") is None:
+            raise SandboxError(BWRAP_MISSING)
+        if cfg.sandbox and shutil.which("nsenter") is None:
+            raise SandboxError("--sandbox=bwrap needs nsenter: apt-get install util-linux")
+        try:
+            if cfg.cwd:
+                if not os.path.isdir(cfg.cwd):
+                    raise SandboxError(f"working directory {cfg.cwd!r} does not exist")
+                self.workdir = os.path.realpath(cfg.cwd)
+            else:
+                root = os.path.realpath(cfg.workdir_root or tempfile.gettempdir())
+                os.makedirs(root, exist_ok=True)
+                prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", cfg.task_id)[:80] + "-"
+                self.workdir = tempfile.mkdtemp(prefix=prefix, dir=root)
+                self._owns_workdir = True
+            if cfg.sandbox:
+                self._start_sandbox()
+        except (OSError, ValueError, KeyError) as exc:  # ValueError/KeyError: bwrap's info made no sense
+            raise SandboxError(f"cannot prepare the local environment: {exc}") from exc
+
+    def _start_sandbox(self) -> None:
+        # As root, a fresh minimal /dev. Unprivileged, `--dev` makes bwrap nest a second user
+        # namespace that nsenter cannot join, so bind the host's /dev (its file permissions still
+        # apply: an ordinary user can open /dev/null, not the disks).
+        dev = ["--dev", "/dev"] if os.geteuid() == 0 else ["--dev-bind", "/dev", "/dev"]
+        info_r, info_w = os.pipe()
+        bwrap_args = [
+            "--info-fd", str(info_w), "--unshare-pid", "--unshare-net", "--die-with-parent",
+            "--ro-bind", "/", "/", *dev, "--proc", "/proc", "--tmpfs", "/tmp",
+            "--bind", self.workdir, self.workdir,
+            "--", "sh", "-c", "echo ready; exec cat",
+        ]  # fmt: skip
+        try:
+            # A plain sh sits between us and bwrap because --die-with-parent fires when the *thread*
+            # that forked bwrap ends, and start() may run in a short-lived worker thread. If the
+            # runner dies, `cat` reads EOF, bwrap exits and the kernel kills the whole sandbox.
+            self._holder = subprocess.Popen(
+                ["sh", "-c", 'bwrap "$@"; exit $?', "sh", *bwrap_args],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(info_w,),
+            )  # fmt: skip
+        finally:
+            os.close(info_w)
+        with os.fdopen(info_r, "rb", buffering=0) as info:
+            if self._holder.stdout.readline() != b"ready\n":  # the mounts are in place once it answers
+                err = self._holder.communicate(timeout=10)[1].decode(errors="replace").strip()
+                self._holder = None
+                raise SandboxError(f"bubblewrap could not start the sandbox: {err or 'no reason given'}")
+            self._sandbox_pid = json.loads(info.read(65536))["child-pid"]
+        ns = os.stat(f"/proc/{self._sandbox_pid}/ns/pid")
+        self._sandbox_ns = (ns.st_dev, ns.st_ino)
+
+    def _command_argv(self, script: str) -> list[str]:
+        if not self._holder:
+            return ["sh", "-c", script]
+        enter = ["nsenter", "-t", str(self._sandbox_pid), "-m", "-n", "-p", "-r"]
+        if os.geteuid() != 0:  # unprivileged bwrap made a user namespace: join it first
+            enter += ["-U", "--preserve-credentials"]
+        return [*enter, "sh", "-c", script]
+
+    def _command_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not _SECRET_NAME.search(k)}
+        env[_MARKER_VAR] = self._marker
+        if self._holder:
+            env["HOME"] = "/tmp"  # the host's home is read-only in the sandbox; tools want a writable one
+        return env
+
+    def execute(self, command: str, *, cwd: str | None = None, timeout: float | None = None) -> ExecResult:
+        timeout = self.config.command_timeout if timeout is None else timeout
+        where = os.path.join(self.workdir, cwd) if cwd else self.workdir
+        # `cd` inside the shell: a missing directory is then an ordinary shell error, and the path
+        # means the same thing inside the sandbox as outside.
+        script = f"cd {quote(where)} || exit 1\n{command}"
+        proc = subprocess.Popen(
+            self._command_argv(script), cwd=self.workdir, env=self._command_env(),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, so a timeout can kill all of it
+        )  # fmt: skip
+        capture = _Capture(self.config.max_output_chars * 4)
+        reader = threading.Thread(target=capture.drain, args=(proc.stdout,), daemon=True)
+        reader.start()
+        timed_out = False
+        try:
+            exit_code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc.pid)  # before wait(): the pid, hence the group id, cannot be recycled yet
+            proc.wait()
+            exit_code = 124
+        # A background child that kept the pipe open must not hold the result back.
+        reader.join(timeout=2 if timed_out else 0.5)
+        if exit_code < 0:  # killed by a signal: report it the way a shell does
+            exit_code = 128 - exit_code
+        output = truncate_output(capture.text(), self.config.max_output_chars)
+        return ExecResult(output=output, exit_code=exit_code, timed_out=timed_out)
+
+    def _host_path(self, path: str) -> str:
+        full = os.path.normpath(os.path.join(self.workdir, path))
+        # Through the sandbox's own root, /tmp is its private /tmp and the host stays read-only.
+        return f"/proc/{self._sandbox_pid}/root{full}" if self._holder else full
+
+    def read_file(self, path: str) -> bytes:
+        with open(self._host_path(path), "rb") as f:
+            return f.read()
+
+    def write_file(self, path: str, data: bytes) -> None:
+        target = self._host_path(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(data)
+
+    def cleanup(self) -> None:
+        self._kill_session_processes()
+        if self._holder:
+            if self._sandbox_ns and _namespace_of(self._sandbox_pid) == self._sandbox_ns:
+                _signal(self._sandbox_pid)  # its init dies, so the kernel kills everything inside
+            self._holder.kill()
+            self._holder.communicate()
+            self._holder = None
+        if self._owns_workdir and not self.config.keep_workdir:
+            shutil.rmtree(self.workdir, onerror=_force_remove)
+            self._owns_workdir = False
+
+    def _kill_session_processes(self) -> None:
+        marker = f"{_MARKER_VAR}={self._marker}".encode()
+        for _ in range(10):  # repeat: a process may fork while we are killing its parent
+            found = [pid for pid in _all_pids() if marker in _environ(pid)]
+            if not found:
+                return
+            for pid in found:
+                _signal(pid)
+            time.sleep(0.05)
+
+
+class _Capture:
+    """Collects a stream, keeping only its head and its tail so a flood of output cannot eat memory."""
+
+    def __init__(self, limit: int):
+        self.limit, self.total = limit, 0
+        self.head, self.tail = bytearray(), bytearray()
+
+    def drain(self, stream) -> None:
+        with stream:
+            for chunk in iter(lambda: stream.read1(65536), b""):
+                self.total += len(chunk)
+                room = self.limit - len(self.head)
+                if room > 0:
+                    self.head += chunk[:room]
+                    chunk = chunk[room:]
+                if chunk:
+                    self.tail += chunk
+                    del self.tail[: -self.limit]
+
+    def text(self) -> str:
+        head, tail = bytes(self.head), bytes(self.tail)
+        skipped = self.total - len(head) - len(tail)
+        gap = f"\n... [{skipped} bytes omitted] ...\n" if skipped > 0 else ""
+        return head.decode(errors="replace") + gap + tail.decode(errors="replace")
+
+
+def _signal(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _environ(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def _namespace_of(pid: int) -> tuple[int, int] | None:
+    try:
+        ns = os.stat(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+    return ns.st_dev, ns.st_ino
+
+
+def _force_remove(func, path, exc_info) -> None:
+    """rmtree helper: a command may have made a folder read-only; make it writable and retry."""
+    if isinstance(exc_info[1], FileNotFoundError):
+        return
+    try:
+        os.chmod(os.path.dirname(path), stat.S_IRWXU)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, stat.S_IRWXU)
+            shutil.rmtree(path, onerror=_force_remove)
+        else:
+            func(path)
+    except OSError:
+        pass
