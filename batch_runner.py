@@ -156,13 +156,20 @@ def main(
     container_cpus: float = None,
     container_network: str = None,
     vision_model: str = None,
+    executor: str = "local",
+    ray_address: str = None,
+    sessions_per_node: int = None,
+    report: bool = False,
+    report_samples: int = 500,
 ):
     """Run a JSONL dataset of prompts through the agent (see README.md for every flag)."""
     if list_distributions:
         print(format_distribution_catalogue())
         raise SystemExit(EXIT_OK)
     try:
-        config = build_config(**{k: v for k, v in locals().items() if k != "list_distributions"})
+        if report:
+            raise SystemExit(_report_only(output_dir, run_name, report_samples))
+        config = build_config(**{k: v for k, v in locals().items() if k not in ("list_distributions", "report")})
         code = BatchRunner(config, resume=bool(resume), overwrite=bool(overwrite),
                            allow_config_change=bool(allow_config_change)).run()
     except UsageError as err:
@@ -176,6 +183,18 @@ def main(
             traceback.print_exc()
         code = EXIT_ERROR
     raise SystemExit(code)
+
+
+def _report_only(output_dir: Any, run_name: Any, samples: Any) -> int:
+    """`--report --run_name=NAME`: (re)write report.html from the run's files, start nothing."""
+    from runner.report import write_report
+
+    run_dir = Path(str(output_dir or "data")) / _run_name(run_name)
+    if not (run_dir / "config.json").exists():
+        raise UsageError(f"{run_dir} holds no run (no config.json)")
+    path = write_report(run_dir, max_full_conversations=_positive_int(samples, "report_samples", minimum=0))
+    print(f"📄 Report written to {path}")
+    return EXIT_OK
 
 
 def build_config(**flags: Any):
@@ -251,6 +270,8 @@ def build_config(**flags: Any):
         images_api_key=os.environ.get("IMAGES_API_KEY"),
     )
     ephemeral = flags["ephemeral_system_prompt"]
+    if flags["executor"] not in ("local", "ray"):
+        raise UsageError(f"--executor must be local or ray (got {flags['executor']!r})")
     return RunConfig(
         dataset_file=str(flags["dataset_file"]),
         run_name=run_name,
@@ -279,6 +300,10 @@ def build_config(**flags: Any):
         request_timeout=_positive_float(flags["request_timeout"], "request_timeout") or 600.0,
         max_requests_per_minute=_positive_float(flags["max_requests_per_minute"], "max_requests_per_minute"),
         grace_period=float(flags["grace_period"]) if flags["grace_period"] is not None else 30.0,
+        executor=flags["executor"],
+        ray_address=None if flags["ray_address"] is None else str(flags["ray_address"]),
+        sessions_per_node=_positive_int(flags["sessions_per_node"], "sessions_per_node"),
+        report_samples=_positive_int(flags["report_samples"], "report_samples", minimum=0),
         tools=tools,
     )
 
@@ -465,6 +490,7 @@ class BatchRunner:
             rows_this_run=rows_this_run, fingerprint=config.fingerprint(),
         )
         print_summary(stats, self.run_dir)
+        self._write_report()
         if self.fatal_message:
             print(f"\n❌ Stopped early: {self.fatal_message}", file=sys.stderr)
             return EXIT_FATAL_PROVIDER
@@ -475,6 +501,15 @@ class BatchRunner:
             print(f"\n⚠️  {merged.failed + merged.not_run} row(s) not done; run again with --resume to retry them.")
             return EXIT_INCOMPLETE
         return EXIT_OK
+
+    def _write_report(self) -> None:
+        try:
+            from runner.report import write_report
+
+            path = write_report(self.run_dir, max_full_conversations=self.config.report_samples)
+            print(f"   - Report: {path.name} (open it in a browser)")
+        except Exception as err:  # the report is a view: never let it fail a finished run
+            print(f"⚠️  Could not write report.html: {type(err).__name__}: {err}")
 
     def _warn_unavailable(self, unavailable: dict[str, str]) -> None:
         from toolset_distributions import get_distribution
@@ -536,11 +571,16 @@ class BatchRunner:
 
         config = self.config
         failed_images = self._prepare_images(scan)
-        processes = config.num_processes or os.cpu_count() or 1
-        executor = ProcessExecutor(config, unavailable, config.num_workers, processes, log=self.log)
+        if config.executor == "ray":
+            from runner.ray_executor import RayExecutor
+
+            executor = RayExecutor(config, unavailable, log=self.log)
+        else:
+            processes = config.num_processes or os.cpu_count() or 1
+            executor = ProcessExecutor(config, unavailable, config.num_workers, processes, log=self.log)
         counts = {"ok": 0, "failed": 0, "discarded": 0, "retries": 0}
         self._install_signal_handlers(executor)
-        print(f"\n🚀 Running {remaining:,} prompts: {config.num_workers} sessions on {len(executor.slot_plan)} process(es)\n")
+        print(f"\n🚀 Running {remaining:,} prompts: {executor.describe()}\n")
         executor.start()
         tasks = self._tasks(scan, store, failed_images)
         exhausted = False

@@ -64,6 +64,10 @@ class RunConfig(BaseModel):
     request_timeout: float = 600.0
     max_requests_per_minute: float | None = None
     grace_period: float = 30.0  # after the first Ctrl-C: how long in-flight prompts may finish
+    executor: str = "local"  # local (process pool) | ray (a Ray cluster)
+    ray_address: str | None = None
+    sessions_per_node: int | None = None  # ray: concurrent sessions per node (default num_workers)
+    report_samples: int = 500  # full conversations embedded in report.html
     tool_schema_version: str = ""
     tools: ToolSettings = Field(default_factory=ToolSettings)
 

@@ -62,6 +62,9 @@ class ProcessExecutor:
         self.results = self._ctx.Queue()
         self.workers: list[_Worker] = []
 
+    def describe(self) -> str:
+        return f"{sum(self.slot_plan)} sessions on {len(self.slot_plan)} process(es)"
+
     def start(self) -> None:
         for worker_id, slots in enumerate(self.slot_plan):
             self.workers.append(self._spawn(worker_id, slots))

@@ -174,7 +174,18 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
 def worker_main(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, tasks, results) -> None:
     """Entry point of a worker process: serve tasks from `tasks` until a None arrives."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides how to stop on Ctrl-C
+    _die_with_parent()
     asyncio.run(_serve(worker_id, config, unavailable, sessions, tasks, results))
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send us SIGTERM when the parent dies (the watchdog below covers other systems)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, tasks, results) -> None:

@@ -242,3 +242,12 @@ def test_bwrap_timeout_and_cleanup_kill_everything(make_env):
         time.sleep(0.05)
     assert session_pids(env) == []
     assert not os.path.exists(env.workdir)
+
+
+@needs_bwrap
+def test_bwrap_sandbox_death_is_a_sandbox_error(make_env):
+    env = make_env(sandbox="bwrap")
+    os.kill(env._sandbox_pid, 9)  # the sandbox's init: the kernel ends everything inside
+    env._holder.wait(timeout=5)
+    with pytest.raises(SandboxError, match="died"):
+        env.execute("true")

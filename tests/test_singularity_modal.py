@@ -189,6 +189,8 @@ def test_run_command_merges_output_feeds_input_and_kills_on_timeout():
         run_command(["sh", "-c", "echo early; sleep 30 & sleep 31"], timeout=0.5)
     assert time.monotonic() - started < 5
     assert caught.value.output == b"early\n"
+    with pytest.raises(subprocess.TimeoutExpired):  # the shell exits, its background job holds stdout
+        run_command(["sh", "-c", "sleep 30 & echo bg"], timeout=0.5)
 
 
 @pytest.mark.parametrize("shell", ["sh", "bash", "busybox"])

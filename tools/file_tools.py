@@ -376,8 +376,11 @@ async def _apply_patch(text: str, ctx: ToolContext) -> dict:
 
 # ---------------------------------------------------------------------------------- search_files
 
-# grep -E knows POSIX classes, not Perl shorthands; translate the common ones (outside brackets).
-_SHORTHANDS = {"d": "[0-9]", "D": "[^0-9]", "s": "[[:space:]]", "S": "[^[:space:]]", "w": "[[:alnum:]_]", "W": "[^[:alnum:]_]"}
+# grep -E knows POSIX classes, not Perl shorthands, which models use all the time: translate the
+# common ones (a plain substitution, so a shorthand inside [...] is not supported).
+_SHORTHANDS = {
+    "d": "[0-9]", "D": "[^0-9]", "s": "[[:space:]]", "S": "[^[:space:]]", "w": "[[:alnum:]_]", "W": "[^[:alnum:]_]"
+}  # fmt: skip
 _PRUNED = r"\( -name .git -o -name node_modules -o -name __pycache__ \) -prune -o"
 _TOTAL = "__search_total__"
 
@@ -476,9 +479,14 @@ _SEARCH = {
     "type": "object",
     "properties": {
         "pattern": {**_S, "description": "Regular expression (content) or file-name glob (files)."},
-        "target": {"type": "string", "enum": ["content", "files"], "default": "content", "description": "What to search."},
+        "target": {
+            "type": "string",
+            "enum": ["content", "files"],
+            "default": "content",
+            "description": "content: lines inside files; files: file names.",
+        },
         "path": {**_S, "default": ".", "description": "File or folder to search in."},
-        "file_glob": {**_S, "description": "content: only search files whose name matches this glob, e.g. '*.py'."},
+        "file_glob": {**_S, "description": "content: only files whose name matches this glob, e.g. '*.py'."},
         "limit": {"type": "integer", "default": 50, "description": "Maximum results to return."},
         "offset": {"type": "integer", "default": 0, "description": "Results to skip, for paging."},
         "output_mode": {

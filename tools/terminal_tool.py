@@ -91,21 +91,20 @@ def _describe(proc: Background) -> dict:
     info = {"session_id": proc.session_id, "command": proc.command, "pid": proc.pid, "status": proc.status}
     if proc.exit_code is not None:
         info["exit_code"] = proc.exit_code
-    info["running_seconds" if proc.status == "running" else "started_seconds_ago"] = round(
-        time.monotonic() - proc.started, 1
-    )
+    info["seconds_since_start"] = round(time.monotonic() - proc.started, 1)
     return info
 
 
 async def _with_notifications(ctx: ToolContext, result: dict) -> dict:
     """notify_on_complete: report finished background processes in the next terminal/process result."""
-    procs = ctx.state.get(_STATE_KEY, {})
-    waiting = [p for p in procs.values() if p.notify and not p.reported]
+    waiting = [p for p in ctx.state.get(_STATE_KEY, {}).values() if p.notify and not p.reported]
+    if "error" in result or not waiting:
+        return result
     await _refresh(ctx, waiting)
     done = [p for p in waiting if p.status != "running"]
     for proc in done:
         proc.reported = True
-    if done and "error" not in result:
+    if done:
         result["completed_background_processes"] = [_describe(p) for p in done]
     return result
 
@@ -148,10 +147,10 @@ async def _start_background(ctx: ToolContext, command: str, workdir: str | None,
         return {"error": "watch_patterns must be a list of non-empty strings"}
     session_id = "proc_" + uuid.uuid4().hex[:12]
     folder = f"/tmp/abr-bg-{session_id}"
-    # The runner writes the exit status only after the command ends, through a rename so that a
+    # The wrapper writes the exit status only after the command ends, through a rename so that a
     # reader never sees half of it. stdin is the FIFO opened read-write: opening never blocks and
     # the command does not see end-of-file when one `write` finishes.
-    runner = (
+    wrapper = (
         f'sh -c {quote(command)} <>"$1/stdin" >"$1/log" 2>&1; '
         'echo $? >"$1/exit.tmp"; mv "$1/exit.tmp" "$1/exit"'
     )
@@ -160,7 +159,7 @@ async def _start_background(ctx: ToolContext, command: str, workdir: str | None,
         'mkdir -p "$d" && mkfifo "$d/stdin" || exit 1\n'
         # setsid gives the command its own process group, so `kill` reaches its children too.
         "if command -v setsid >/dev/null 2>&1; then s=setsid; else s=; fi\n"
-        f'$s sh -c {quote(runner)} sh "$d" </dev/null >/dev/null 2>&1 &\n'
+        f'$s sh -c {quote(wrapper)} sh "$d" </dev/null >/dev/null 2>&1 &\n'
         'echo "pid=$!"\n'
     )
     started = await asyncio.to_thread(ctx.env.execute, script, cwd=workdir, timeout=30)
@@ -255,7 +254,8 @@ async def _wait(ctx: ToolContext, proc: Background, args: dict) -> dict:
         # Only output written since the last match counts, so each wait finds a new event.
         watch = (
             f"  sz=$(( $( {{ wc -c < {folder}/log; }} 2>/dev/null || echo 0) ))\n"
-            f"  m=$(head -c $sz {folder}/log 2>/dev/null | tail -c +{proc.watch_offset + 1} | grep -oF {greps} | head -n 1)\n"
+            f"  m=$(head -c $sz {folder}/log 2>/dev/null | tail -c +{proc.watch_offset + 1}"
+            f" | grep -oF {greps} | head -n 1)\n"
             '  if [ -n "$m" ]; then echo "matched $sz"; echo "$m"; exit 0; fi\n'
         )
     script = (
@@ -356,8 +356,8 @@ PROCESS_DESCRIPTION = (
     "processes of this task); poll (running or exit code, plus recent output); log (output lines: "
     "`offset` is a 0-based line number, `limit` the number of lines, default the last 200); wait "
     "(until the process exits, one of its watch_patterns appears, or `timeout` seconds pass: "
-    "default 60, at most the command timeout); kill; write (send `data` to its stdin as is); submit (send `data` plus a "
-    "newline); close (kill it if still running and forget it)."
+    "default 60, at most the command timeout); kill; write (send `data` to its stdin as is); "
+    "submit (send `data` plus a newline); close (kill it if still running and forget it)."
 )
 
 _TERMINAL_PARAMETERS = {
@@ -367,7 +367,7 @@ _TERMINAL_PARAMETERS = {
         "background": {"type": "boolean", "default": False, "description": "Start it in the background."},
         "timeout": {"type": "integer", "description": "Seconds before a foreground command is killed."},
         "workdir": {"type": "string", "description": "Directory to run in (default: the task's directory)."},
-        "pty": {"type": "boolean", "default": False, "description": "Accepted for compatibility; no terminal is given."},
+        "pty": {"type": "boolean", "default": False, "description": "Accepted; commands never get a terminal."},
         "notify_on_complete": {
             "type": "boolean",
             "default": False,

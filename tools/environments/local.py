@@ -126,13 +126,15 @@ class LocalEnvironment:
         return env
 
     def execute(self, command: str, *, cwd: str | None = None, timeout: float | None = None) -> ExecResult:
+        if self._holder and self._holder.poll() is not None:
+            raise SandboxError("the bubblewrap sandbox of this session has died")
         timeout = self.config.command_timeout if timeout is None else timeout
         where = os.path.join(self.workdir, cwd) if cwd else self.workdir
         # `cd` inside the shell: a missing directory is then an ordinary shell error, and the path
         # means the same thing inside the sandbox as outside.
         script = f"cd {quote(where)} || exit 1\n{command}"
         proc = subprocess.Popen(
-            self._command_argv(script), cwd=self.workdir, env=self._command_env(),
+            self._command_argv(script), cwd="/", env=self._command_env(),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, so a timeout can kill all of it
         )  # fmt: skip

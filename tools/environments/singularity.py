@@ -22,6 +22,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 import uuid
 from typing import Callable
 
@@ -58,14 +59,21 @@ def run_command(argv: list[str], *, input: bytes | None = None, timeout: float |
             process.stdin.close()
         except BrokenPipeError:
             pass
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
         code = process.wait(timeout)
+        # A background process may still hold the output pipe open: it shares the deadline.
+        reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if reader.is_alive():
+            raise subprocess.TimeoutExpired(argv, timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         process.wait()
         reader.join(2)
         raise subprocess.TimeoutExpired(argv, timeout, output=output.data()) from None
-    reader.join()
     return code, output.data()
 
 
