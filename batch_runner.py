@@ -239,6 +239,13 @@ def build_config(**flags: Any):
     sandbox = flags["sandbox"]
     if sandbox not in (None, "none", "bwrap"):
         raise UsageError(f"--sandbox must be 'bwrap' or 'none' (got {sandbox!r})")
+    if sandbox == "bwrap":
+        import shutil
+
+        if terminal_env != "local":
+            raise UsageError("--sandbox=bwrap applies to --terminal_env=local only")
+        if not shutil.which("bwrap") or not shutil.which("nsenter"):
+            raise UsageError("--sandbox=bwrap needs bubblewrap and nsenter: apt-get install bubblewrap util-linux")
     seed = flags["seed"]
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise UsageError(f"--seed must be an integer (got {seed!r})")
@@ -561,7 +568,7 @@ class BatchRunner:
         if not images:
             return {}
         print(f"🐳 Checking {len(images)} container image(s)...")
-        status = prepare_images(images, progress=self.log)
+        status = prepare_images(images, progress=lambda image, state: self.log(f"   {image}: {state}"))
         return {image: error for image, error in status.items() if error}
 
     def _execute(self, scan, store, unavailable: dict, remaining: int) -> int:

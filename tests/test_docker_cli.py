@@ -1,0 +1,142 @@
+"""The docker backend through the real CLI, on the real engine, with images built offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, read_jsonl, run_cli, write_jsonl
+from tests.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, docker_client, ensure_test_images
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture(scope="module")
+def client():
+    client = docker_client()
+    ensure_test_images(client)
+    return client
+
+
+def _containers(client, run_name: str) -> list:
+    return client.containers.list(all=True, filters={"label": f"abr.run_name={run_name}"})
+
+
+@pytest.fixture
+def run_name(client, request):
+    name = f"dk-{request.node.name[:30].replace('_', '-')}-{os.getpid()}"
+    yield name
+    leftovers = _containers(client, name)
+    for container in leftovers:
+        container.remove(force=True)
+    assert not leftovers, f"containers of {name} were left behind"
+
+
+def _args(dataset, server, run_name, *extra):
+    return [f"--dataset_file={dataset}", f"--run_name={run_name}", "--batch_size=4", "--terminal_env=docker",
+            "--distribution=terminal_only", f"--base_url={server.base_url}", "--model=m", "--api_key=x", *extra]
+
+
+def _tool_outputs(row: dict) -> list:
+    outputs = []
+    for turn in row["conversations"]:
+        if turn["from"] == "tool":
+            body = turn["value"].split("<tool_response>\n", 1)[1].rsplit("\n</tool_response>", 1)[0]
+            outputs.append(json.loads(body))
+    return outputs
+
+
+PROBE = ('@tool terminal {"command": "cat /etc/abr-image 2>/dev/null || echo plain-image; pwd"}\n'
+         '@tool write_file {"path": "out.txt", "content": "written-inside"}\n'
+         '@tool read_file {"path": "out.txt"}\n')
+
+
+def test_rows_run_in_their_own_image_and_directory(client, model_server, run_name, tmp_path):
+    rows = [
+        {"prompt": PROBE + "Row in the marked image.", "image": MARKED_IMAGE, "cwd": "/srv/app"},
+        {"prompt": PROBE + "Row in the plain image.", "image": BUSYBOX_IMAGE},
+        {"prompt": PROBE + "Row with the run's default image.", "cwd": "/data"},
+    ]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = run_cli(_args(dataset, model_server, run_name, f"--docker_image={BUSYBOX_IMAGE}", "--num_workers=3"), tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = read_jsonl(tmp_path / "data" / run_name / "trajectories.jsonl")
+    outputs = [_tool_outputs(row) for row in kept]
+    terminal = [o[0]["content"]["output"] for o in outputs]
+    assert MARKED_CONTENT.strip() in terminal[0] and terminal[0].strip().endswith("/srv/app")
+    assert "plain-image" in terminal[1] and terminal[1].strip().endswith("/workspace")
+    assert "plain-image" in terminal[2] and terminal[2].strip().endswith("/data")
+    for o in outputs:
+        assert "written-inside" in o[2]["content"]["content"]  # read_file saw the file write_file made
+    assert not (tmp_path / "out.txt").exists()  # nothing was written on the host
+    assert not _containers(client, run_name)
+
+
+def test_missing_image_fails_its_rows_without_model_calls(client, model_server, run_name, tmp_path):
+    rows = [
+        {"prompt": "Needs a missing image.", "image": "abr-test/does-not-exist:1"},
+        {"prompt": PROBE + "Fine row.", "image": BUSYBOX_IMAGE},
+    ]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = run_cli(_args(dataset, model_server, run_name), tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    out = tmp_path / "data" / run_name
+    failed = [r for p in out.glob("batch_*.jsonl") for r in read_jsonl(p) if r.get("failed")]
+    assert len(failed) == 1 and failed[0]["error_class"] == "environment"
+    assert "abr-test/does-not-exist:1" in failed[0]["error"]
+    assert model_server.requests_for("Needs a missing image") == []
+    assert len(read_jsonl(out / "trajectories.jsonl")) == 1
+
+
+def _wait_for_containers(client, run_name: str, count: int, timeout: float = 60) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [c for c in _containers(client, run_name) if c.status == "running"]
+        if len(found) >= count:
+            return found
+        time.sleep(0.3)
+    raise AssertionError(f"expected {count} running containers of {run_name}")
+
+
+def test_sigkill_leaves_containers_and_next_run_reaps_them(client, model_server, run_name, tmp_path):
+    rows = [{"prompt": f'@tool terminal {{"command": "sleep 30"}}\nSleep {i}.', "image": BUSYBOX_IMAGE} for i in range(2)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = subprocess.Popen([sys.executable, str(REPO / "batch_runner.py"), *_args(dataset, model_server, run_name)],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    try:
+        left = _wait_for_containers(client, run_name, 2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole process tree: nobody is left to clean up
+        proc.wait(30)
+    time.sleep(1)
+    assert {c.id for c in _containers(client, run_name)} >= {c.id for c in left}
+    proc = run_cli(_args(dataset, model_server, run_name, "--resume", "--command_timeout=1"), tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("removed stale container") >= 2
+    assert not _containers(client, run_name)
+    kept = read_jsonl(tmp_path / "data" / run_name / "trajectories.jsonl")
+    assert [o[0]["content"]["exit_code"] for o in map(_tool_outputs, kept)] == [124, 124]  # sleep stopped at 1 s
+
+
+def test_ctrl_c_removes_containers_of_abandoned_prompts(client, model_server, run_name, tmp_path):
+    rows = [{"prompt": f'@tool terminal {{"command": "sleep 60"}}\nLong {i}.', "image": BUSYBOX_IMAGE} for i in range(2)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = subprocess.Popen([sys.executable, str(REPO / "batch_runner.py"),
+                             *_args(dataset, model_server, run_name, "--grace_period=1")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    _wait_for_containers(client, run_name, 2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    deadline = time.monotonic() + 20
+    while _containers(client, run_name) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert not _containers(client, run_name)
