@@ -271,18 +271,16 @@ def _timeline(rows: list[_Row], invocations: dict[str, list]) -> dict | None:
     }
 
 
+_BUCKET_LADDER = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600,
+                  900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+
+
 def _nice_bucket(raw: float) -> float:
-    """The smallest of 1, 2, 5 x 10^k seconds (or 10 s, 15 s, 30 s, 1 min, ...) not below `raw`."""
-    for step in (60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400):
-        if raw <= step and raw > 30:
+    """The smallest round time step (1 s, 15 s, 5 min, 1 h, a day, ...) not below `raw` seconds."""
+    for step in _BUCKET_LADDER:
+        if step >= raw:
             return float(step)
-    if raw > 86400:
-        return float(math.ceil(raw / 86400) * 86400)
-    exponent = math.floor(math.log10(raw)) if raw > 0 else -3
-    for mantissa in (1, 2, 5, 10):
-        if mantissa * 10 ** exponent >= raw:
-            return max(0.001, round(mantissa * 10 ** exponent, 3))
-    return 1.0
+    return float(math.ceil(raw / 86400) * 86400)
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -48,7 +48,9 @@ class WorkerRuntime:
                 config.base_url,
                 config.api_key.get_secret_value() if config.api_key else None,
                 max_in_flight=sessions,
-                requests_per_minute=config.max_requests_per_minute,
+                # The run's budget is shared between processes in proportion to their sessions.
+                requests_per_minute=(config.max_requests_per_minute * sessions / max(sessions, config.num_workers)
+                                     if config.max_requests_per_minute else None),
                 policy=RetryPolicy(request_timeout=config.request_timeout),
             )
         self.loop_config = LoopConfig(

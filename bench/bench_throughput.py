@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""Throughput, CPU and memory of the real CLI against the local model server (issue 4).
+
+    python bench/bench_throughput.py --preset quick      # 16 sessions, 200 ms, 200 prompts (~20 s)
+    python bench/bench_throughput.py --preset a          # 64 sessions, 500 ms, 2,000 prompts
+    python bench/bench_throughput.py --all               # presets a and b, one table
+    python bench/bench_throughput.py --startup           # `--list_distributions` x10, median
+
+Each prompt is two model turns with one terminal call (`@tool terminal {"command": "echo <i>"}`).
+The model server runs as its own subprocess (fixed latency, no request recording), so its CPU is
+not counted. What is measured:
+
+- wall: from the runner's own "🚀 Running" line to its exit, and from process start to exit;
+- throughput: prompts / dispatch phase ("🚀 Running" line to the "📦 Combining" line), against the
+  ideal sessions / (turns x latency); also a steady-state figure from the completion timestamps
+  the rows carry (10th to 90th percentile), which leaves out worker start-up and the tail;
+- CPU per prompt: os.wait4(pid) rusage of the runner (user+sys). The runner joins its worker
+  processes, and a worker waits for its terminal subprocesses, so that rusage covers parent +
+  workers + their commands and nothing else (the model server is not a descendant). psutil
+  samples of the tree give the parent / workers split (they miss each process's last <0.2 s);
+- peak memory: the largest sum of RSS over the runner's process tree, sampled every 0.2 s
+  (shared pages of the spawn workers are counted once per process, as RSS does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import PY, REPO, ModelServerProcess, cmd_text, env_for_children, make_tmpdir, median, print_table, run_cli, verdict  # noqa: E402
+
+PRESETS = {
+    "a": {"sessions": 64, "latency": 0.5, "prompts": 2000},
+    "b": {"sessions": 16, "latency": 0.2, "prompts": 1000},
+    "quick": {"sessions": 16, "latency": 0.2, "prompts": 200},
+}
+TURNS = 2  # model turns per prompt: a tool call, then the final answer
+RATIO_TARGET = 0.9
+CPU_TARGET_MS = 15.0
+MEM_TARGET_MB = 400.0  # at 64 sessions
+STARTUP_TARGET_S = 0.5
+
+
+def write_dataset(path: Path, prompts: int) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for i in range(prompts):
+            text = f'@tool terminal {{"command": "echo {i}"}}\nBenchmark prompt #{i}: run the command and report its output.'
+            handle.write(json.dumps({"prompt": text}) + "\n")
+
+
+def completion_times(run_dir: Path) -> list[float]:
+    stamps = []
+    for path in sorted(run_dir.glob("batch_*.jsonl")):
+        with open(path, "rb") as handle:
+            for line in handle:
+                try:
+                    stamps.append(datetime.fromisoformat(json.loads(line)["metadata"]["timestamp"]).timestamp())
+                except (ValueError, KeyError):
+                    pass
+    return sorted(stamps)
+
+
+def run_preset(name: str, sessions: int, latency: float, prompts: int, keep: bool, processes: int | None) -> dict:
+    tmp = make_tmpdir(f"bench_tp_{name}_", keep)
+    try:
+        dataset = tmp / "prompts.jsonl"
+        write_dataset(dataset, prompts)
+        ideal = sessions / (TURNS * latency)
+        with ModelServerProcess(latency, tmp) as server:
+            args = [f"--dataset_file={dataset}", "--run_name=bench", "--batch_size=100", f"--num_workers={sessions}",
+                    "--distribution=terminal_only", f"--base_url={server.base_url}", "--model=bench", "--api_key=x",
+                    "--keep_no_reasoning", f"--output_dir={tmp / 'out'}"]
+            if processes:
+                args.append(f"--num_processes={processes}")
+            timeout = 120 + 4 * prompts / ideal
+            print(f"\n▶ preset {name}: {sessions} sessions, {latency * 1000:g} ms latency, {prompts:,} prompts "
+                  f"(server {server.base_url}, bounded to {timeout:.0f} s)")
+            print(f"  $ cd {tmp} && {cmd_text([PY, str(REPO / 'batch_runner.py'), *args])}")
+
+            def on_line(run, t, line, proc):
+                if "🚀 Running" in line and run.sampler:
+                    run.sampler.mark("running")
+                elif "📦 Combining" in line and run.sampler:
+                    run.sampler.mark("combining")
+
+            run = run_cli(args, cwd=tmp, timeout=timeout, sample=True, stderr_path=tmp / "stderr.log", on_line=on_line)
+        if run.returncode != 0 or run.timed_out:
+            print(run.tail(25))
+            print((tmp / "stderr.log").read_text(errors="replace")[-3000:])
+            raise SystemExit(f"preset {name}: the runner exited with {run.returncode}{' (timed out)' if run.timed_out else ''}")
+        t_running, t_combining = run.first("🚀 Running"), run.first("📦 Combining")
+        dispatch = t_combining - t_running
+        stamps = completion_times(tmp / "out" / "bench")
+        steady = None
+        if len(stamps) >= 20:
+            lo, hi = stamps[len(stamps) // 10], stamps[(len(stamps) * 9) // 10]
+            steady = ((len(stamps) * 9) // 10 - len(stamps) // 10) / (hi - lo) if hi > lo else None
+        first_result = stamps[0] - (run.started_wall + t_running) if stamps else None
+        sampler = run.sampler
+        parent_cpu = sampler.cpu_by_pid.get(sampler.root_pid, 0.0)
+        cpu_before = sampler.marked("running") or 0.0
+        cpu_dispatch = (sampler.marked("combining") or sampler.cpu_seen()) - cpu_before
+        result = {
+            "preset": name, "sessions": sessions, "latency": latency, "prompts": prompts,
+            "rows": len(stamps),
+            "wall_total": run.wall, "wall_from_running": run.wall - t_running, "t_running": t_running,
+            "dispatch": dispatch, "tail_after_dispatch": run.wall - t_combining,
+            "throughput": prompts / dispatch, "ideal": ideal, "ratio": prompts / dispatch / ideal,
+            "steady": steady, "steady_ratio": steady / ideal if steady else None,
+            "first_result": first_result,
+            "cpu_total": run.rusage_cpu, "cpu_ms_per_prompt": run.rusage_cpu / prompts * 1000,
+            "cpu_sampled": sampler.cpu_seen(), "cpu_parent_sampled": parent_cpu,
+            "cpu_workers_sampled": sampler.cpu_seen() - parent_cpu,
+            "cpu_before_running": cpu_before, "cpu_dispatch_ms_per_prompt": cpu_dispatch / prompts * 1000,
+            "peak_rss_mb": sampler.peak_rss / 2**20, "peak_parent_rss_mb": sampler.peak_parent_rss / 2**20,
+            "peak_procs": sampler.peak_procs, "describe": next((l.split(":", 1)[1].strip() for _, l in run.lines if "🚀 Running" in l), ""),
+            "command": cmd_text(run.args),
+        }
+        print(f"  done: exit {run.returncode}, {result['describe']}, dispatch {dispatch:.2f} s, "
+              f"{result['throughput']:.1f} prompts/s (ideal {ideal:.0f}), CPU {run.rusage_cpu:.1f} s")
+        return result
+    finally:
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def report(results: list[dict]) -> bool:
+    print("\n=== Throughput benchmark (2 model turns + 1 terminal call per prompt) ===")
+    headers = ["metric"] + [r["preset"] for r in results]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    rows = [
+        ["sessions / latency / prompts"] + [f"{r['sessions']} / {r['latency'] * 1000:g} ms / {r['prompts']:,}" for r in results],
+        ["executor"] + [r["describe"] for r in results],
+        ["wall total (s)"] + [fmt(r["wall_total"], ".2f") for r in results],
+        ["  start -> '🚀 Running' (s)"] + [fmt(r["t_running"], ".2f") for r in results],
+        ["  '🚀 Running' -> exit (s)"] + [fmt(r["wall_from_running"], ".2f") for r in results],
+        ["  dispatch phase (s)"] + [fmt(r["dispatch"], ".2f") for r in results],
+        ["  merge+stats+report+exit (s)"] + [fmt(r["tail_after_dispatch"], ".2f") for r in results],
+        ["  'Running' -> first row done (s)"] + [fmt(r["first_result"], ".2f") for r in results],
+        ["throughput (prompts/s)"] + [fmt(r["throughput"], ".1f") for r in results],
+        ["ideal = S / (2 x latency)"] + [fmt(r["ideal"], ".1f") for r in results],
+        ["ratio (target >= 0.9)"] + [fmt(r["ratio"], ".3f") for r in results],
+        ["steady-state p10..p90 (prompts/s)"] + [fmt(r["steady"], ".1f") for r in results],
+        ["steady-state ratio"] + [fmt(r["steady_ratio"], ".3f") for r in results],
+        ["CPU total, wait4 rusage (s)"] + [fmt(r["cpu_total"], ".2f") for r in results],
+        ["CPU per prompt (ms, target <= 15)"] + [fmt(r["cpu_ms_per_prompt"], ".2f") for r in results],
+        ["  sampled: parent / workers (s)"] + [f"{r['cpu_parent_sampled']:.2f} / {r['cpu_workers_sampled']:.2f}" for r in results],
+        ["  sampled: before 'Running' (s)"] + [fmt(r["cpu_before_running"], ".2f") for r in results],
+        ["  sampled: dispatch CPU/prompt (ms)"] + [fmt(r["cpu_dispatch_ms_per_prompt"], ".2f") for r in results],
+        ["peak RSS of runner tree (MB)"] + [fmt(r["peak_rss_mb"], ".0f") for r in results],
+        ["  peak RSS of parent (MB)"] + [fmt(r["peak_parent_rss_mb"], ".0f") for r in results],
+        ["  max processes in tree"] + [str(r["peak_procs"]) for r in results],
+    ]
+    print_table(headers, rows)
+    print("\nTargets:")
+    all_ok = True
+    for r in results:
+        checks = [(f"throughput ratio >= {RATIO_TARGET}", r["ratio"] >= RATIO_TARGET if r["preset"] in ("a", "b") else None,
+                   f"{r['ratio']:.3f}"),
+                  (f"CPU per prompt <= {CPU_TARGET_MS:g} ms", r["cpu_ms_per_prompt"] <= CPU_TARGET_MS, f"{r['cpu_ms_per_prompt']:.2f} ms"),
+                  (f"peak memory <= {MEM_TARGET_MB:g} MB at 64 sessions",
+                   r["peak_rss_mb"] <= MEM_TARGET_MB if r["sessions"] == 64 else None, f"{r['peak_rss_mb']:.0f} MB")]
+        for label, ok, value in checks:
+            if ok is None:
+                label += " (not a target for this preset)"
+            print(f"  [{verdict(ok)}] preset {r['preset']}: {label}: {value}")
+            all_ok &= ok is not False
+    print("\nCommands run:")
+    for r in results:
+        print(f"  {r['preset']}: {r['command']}")
+    return all_ok
+
+
+def bench_startup(runs: int) -> bool:
+    args = [PY, str(REPO / "batch_runner.py"), "--list_distributions"]
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run(args, cwd=REPO, env=env_for_children(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       check=True, timeout=60)
+        times.append(time.perf_counter() - start)
+    bare = []
+    for _ in range(runs):  # the interpreter alone, for reference
+        start = time.perf_counter()
+        subprocess.run([PY, "-c", "pass"], check=True, timeout=60)
+        bare.append(time.perf_counter() - start)
+    med = median(times)
+    print("\n=== Start-up: python batch_runner.py --list_distributions ===")
+    print_table(["measure", "value"], [
+        ["runs", str(runs)],
+        ["median (s)", f"{med:.3f}"],
+        ["min / max (s)", f"{min(times):.3f} / {max(times):.3f}"],
+        ["python -c pass, median (s)", f"{median(bare):.3f}"],
+    ])
+    ok = med < STARTUP_TARGET_S
+    print(f"  [{verdict(ok)}] median start-up < {STARTUP_TARGET_S} s: {med:.3f} s")
+    print(f"  command: {cmd_text(args)}")
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a, b or quick")
+    parser.add_argument("--all", action="store_true", help="run presets a and b, one table")
+    parser.add_argument("--startup", action="store_true", help="time --list_distributions 10 times")
+    parser.add_argument("--sessions", type=int, help="override the preset's sessions")
+    parser.add_argument("--latency", type=float, help="override the preset's latency (seconds)")
+    parser.add_argument("--prompts", type=int, help="override the preset's prompt count")
+    parser.add_argument("--num_processes", type=int, help="pass --num_processes to the runner")
+    parser.add_argument("--repeat", type=int, default=1, help="run each preset N times and report the median run")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dirs")
+    opts = parser.parse_args()
+    if not (opts.preset or opts.all or opts.startup):
+        opts.preset = "quick"
+    print(f"$ {cmd_text([PY, *sys.argv])}")
+    ok = True
+    if opts.startup:
+        ok &= bench_startup(10)
+    names = ["a", "b"] if opts.all else ([opts.preset] if opts.preset else [])
+    results = []
+    for name in names:
+        p = dict(PRESETS[name])
+        for key in ("sessions", "latency", "prompts"):
+            if getattr(opts, key) is not None:
+                p[key] = getattr(opts, key)
+        runs = [run_preset(name, p["sessions"], p["latency"], p["prompts"], opts.keep, opts.num_processes)
+                for _ in range(max(1, opts.repeat))]
+        runs.sort(key=lambda r: r["throughput"])
+        chosen = runs[len(runs) // 2]
+        if len(runs) > 1:
+            print(f"  preset {name}: throughput over {len(runs)} runs: " + ", ".join(f"{r['throughput']:.1f}" for r in runs)
+                  + f"; CPU ms/prompt: " + ", ".join(f"{r['cpu_ms_per_prompt']:.2f}" for r in runs)
+                  + f"; peak MB: " + ", ".join(f"{r['peak_rss_mb']:.0f}" for r in runs) + " (median run reported)")
+        results.append(chosen)
+    if results:
+        ok &= report(results)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The retry layer against the real local server: Retry-After, reset headers, limits, classes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from agent.model_client import (AdaptiveLimiter, CallStats, ModelClient, RetryPolicy, classify_status, parse_duration,
+                                server_requested_delay)
+from agent.types import ProviderError
+from tests.conftest import read_jsonl, run_cli, write_jsonl
+
+
+def test_parse_duration_and_requested_delay():
+    assert parse_duration("1.5") == 1.5
+    assert parse_duration("20ms") == pytest.approx(0.02)
+    assert parse_duration("6m0s") == 360
+    assert parse_duration("1h2m3s") == 3723
+    assert parse_duration("soon") is None
+    assert server_requested_delay({"retry-after": "3"}) == 3
+    assert server_requested_delay({"retry-after-ms": "250"}) == 0.25
+    assert server_requested_delay({"x-ratelimit-reset-requests": "2s", "x-ratelimit-reset-tokens": "500ms"}) == 2
+    assert server_requested_delay({}) is None
+
+
+def test_status_classes():
+    assert classify_status(401, "bad key") == ("auth", False)
+    assert classify_status(402, "credits exhausted") == ("quota", False)
+    assert classify_status(429, "You exceeded your current quota") == ("quota", False)
+    assert classify_status(429, "slow down") == ("provider", True)
+    assert classify_status(503, "") == ("provider", True)
+    assert classify_status(400, "bad") == ("provider", False)
+
+
+def test_adaptive_limiter_halves_on_429_and_recovers_slowly():
+    async def scenario():
+        limiter = AdaptiveLimiter(16)
+        limiter.on_throttled()
+        limiter.on_throttled()  # the same burst: cut once
+        assert limiter.limit == 8
+        for _ in range(8):
+            limiter.on_success()
+        assert 8 < limiter.limit < 10
+        # the cap is enforced
+        limiter.limit = 2
+        entered = []
+
+        async def hold(i):
+            async with limiter:
+                entered.append(i)
+                await asyncio.sleep(0.05)
+
+        task = asyncio.gather(*(hold(i) for i in range(4)))
+        await asyncio.sleep(0.01)
+        assert len(entered) == 2
+        await task
+
+    asyncio.run(scenario())
+
+
+def _complete(server, prompt, policy=None, **kw):
+    async def go():
+        client = ModelClient(server.base_url, "k", policy=policy or RetryPolicy(base_delay=0.05), **kw)
+        stats = CallStats()
+        try:
+            return await client.complete([{"role": "user", "content": prompt}], model="m", stats=stats), stats
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def test_retry_after_and_reset_headers_are_honoured(model_server):
+    started = time.monotonic()
+    reply, stats = _complete(model_server, "@fail 429 1 retry_after=1\nhi")
+    assert time.monotonic() - started >= 1.0 and stats.retries == 1 and reply.content.startswith("Final answer")
+    started = time.monotonic()
+    _, stats = _complete(model_server, "@fail 429 1 reset=0.8\nhi")
+    assert time.monotonic() - started >= 0.8 and stats.retries == 1
+
+
+def test_bounded_total_wait_gives_up(model_server):
+    policy = RetryPolicy(base_delay=0.05, max_total_wait=0.5)
+    with pytest.raises(ProviderError, match="budget") as info:
+        _complete(model_server, "@fail 503 10 retry_after=2\nhi", policy=policy)
+    assert info.value.error_class == "provider" and info.value.status == 503
+
+
+def test_malformed_and_empty_responses_are_retried(model_server):
+    reply, stats = _complete(model_server, "@malformed 1\n@empty_choices 1\nhi")
+    assert stats.retries == 2 and reply.content
+
+
+def test_hung_request_times_out_and_is_retried(model_server):
+    policy = RetryPolicy(base_delay=0.05, request_timeout=0.5)
+    reply, stats = _complete(model_server, "@hang 1\nhi", policy=policy)
+    assert stats.retries == 1 and reply.content
+
+
+def test_usage_is_summed(model_server):
+    reply, stats = _complete(model_server, "hi")
+    assert stats.total_tokens == reply.usage["total_tokens"] > 0 and stats.cost == pytest.approx(0.0001)
+
+
+def test_prompt_timeout_fails_row_as_timeout_and_resume_retries(tmp_path, model_server):
+    rows = [{"prompt": "@hang 1\nStuck once."}, {"prompt": "Quick."}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    args = [f"--dataset_file={dataset}", "--run_name=r", "--batch_size=2", "--distribution=terminal_only",
+            f"--base_url={model_server.base_url}", "--model=m", "--api_key=x", "--prompt_timeout=2"]
+    started = time.monotonic()
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert time.monotonic() - started < 60
+    out = tmp_path / "data" / "r"
+    (failed,) = [r for p in out.glob("batch_*.jsonl") for r in read_jsonl(p) if r.get("failed")]
+    assert failed["error_class"] == "timeout" and failed["prompt_index"] == 0
+    proc = run_cli(args + ["--resume"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert len(read_jsonl(out / "trajectories.jsonl")) == 2
+
+
+def test_requests_per_minute_paces_requests(tmp_path, model_server):
+    rows = [{"prompt": f"Paced {i}."} for i in range(4)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=4", "--distribution=terminal_only",
+                    f"--base_url={model_server.base_url}", "--model=m", "--api_key=x", "--num_workers=4",
+                    "--num_processes=1", "--max_requests_per_minute=120"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    times = sorted(r.time for r in model_server.requests)
+    assert len(times) == 4 and times[-1] - times[0] >= 1.3  # 120/min = one start every 0.5 s
