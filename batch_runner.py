@@ -597,7 +597,7 @@ class BatchRunner:
         try:
             while True:
                 immediate = []
-                while not self.stopping and not exhausted and executor.free_slots() > 0:
+                while not self.stopping and not exhausted and executor.free_slots() > 0 and len(immediate) < 500:
                     task = next(tasks, None)
                     if task is None:
                         exhausted = True

@@ -98,18 +98,30 @@ class ModelServerProcess:
 
 @dataclass
 class TreeSampler:
-    """Samples a process tree every `interval` s: peak summed RSS, per-PID CPU seen, parent RSS."""
+    """Samples a process tree every `interval` s: peak summed RSS (and PSS), per-PID CPU, parent RSS.
+
+    A child that a worker has just (v)forked and that has not yet exec'd its program shares its
+    parent's memory but reports the parent's whole RSS (with vfork even the same address space),
+    so a raw "sum of RSS" counts that memory twice. Such children are recognised by having their
+    parent's command line; `peak_rss_dedup` / `peak_pss` leave them out, `peak_rss` does not.
+    """
 
     root_pid: int
     interval: float = 0.2
-    peak_rss: int = 0
+    pss: bool = True
+    peak_rss: int = 0  # raw sum of RSS over the tree
+    peak_rss_dedup: int = 0  # without pre-exec fork children
+    peak_pss: int = 0  # sum of PSS without pre-exec fork children (shared pages split)
     peak_parent_rss: int = 0
     peak_procs: int = 0
+    preexec_at_peak: int = 0  # pre-exec children in the sample with the raw peak
+    max_preexec: int = 0
     samples: int = 0
     cpu_by_pid: dict[int, float] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _marks: dict[str, float] = field(default_factory=dict)  # name -> CPU seconds of the tree then
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> "TreeSampler":
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -133,26 +145,49 @@ class TreeSampler:
         return self._marks.get(name)
 
     def _sample(self) -> None:
+        with self._lock:
+            self._sample_locked()
+
+    def _sample_locked(self) -> None:
         try:
             root = psutil.Process(self.root_pid)
             procs = [root] + root.children(recursive=True)
         except psutil.Error:
             return
-        total = 0
+        info = {}
         for proc in procs:
             try:
                 with proc.oneshot():
+                    cmdline = tuple(proc.cmdline())
+                    ppid = proc.ppid()
                     rss = proc.memory_info().rss
                     times = proc.cpu_times()
             except psutil.Error:
                 continue
-            total += rss
-            if proc.pid == self.root_pid:
-                self.peak_parent_rss = max(self.peak_parent_rss, rss)
+            info[proc.pid] = (proc, cmdline, ppid, rss)
             # own CPU only (children_* would double count the children we also sample)
             self.cpu_by_pid[proc.pid] = max(self.cpu_by_pid.get(proc.pid, 0.0), times.user + times.system)
-        self.peak_rss = max(self.peak_rss, total)
-        self.peak_procs = max(self.peak_procs, len(procs))
+        total = dedup = pss = preexec = 0
+        for pid, (proc, cmdline, ppid, rss) in info.items():
+            total += rss
+            if pid == self.root_pid:
+                self.peak_parent_rss = max(self.peak_parent_rss, rss)
+            parent = info.get(ppid)
+            if pid != self.root_pid and parent is not None and parent[1] == cmdline:
+                preexec += 1
+                continue
+            dedup += rss
+            if self.pss:
+                try:
+                    pss += proc.memory_full_info().pss
+                except (psutil.Error, AttributeError):
+                    pss += rss
+        if total > self.peak_rss:
+            self.peak_rss, self.preexec_at_peak = total, preexec
+        self.peak_rss_dedup = max(self.peak_rss_dedup, dedup)
+        self.peak_pss = max(self.peak_pss, pss)
+        self.max_preexec = max(self.max_preexec, preexec)
+        self.peak_procs = max(self.peak_procs, len(info))
         self.samples += 1
 
     def _run(self) -> None:

@@ -21,12 +21,14 @@ where they are unit-tested; the JavaScript only draws them.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 import os
 import re
 import tempfile
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -78,17 +80,13 @@ class _Row:
     duration: float | None
     toolsets: tuple[str, ...] | None
     tools: dict[str, tuple[int, int, int]] | None  # tool -> (count, success, failure), called tools only
+    tool_calls: int | None
     turns: int | None
     reasoning: tuple[int, int, int] | None  # total, with, without
-    usage: dict[str, float]
+    usage: tuple[float, ...] | None  # _ROW_USAGE figures of a kept row
     api_calls: int
     completed: bool
     partial: bool
-    stop_reason: str | None
-
-    @property
-    def tool_calls(self) -> int | None:
-        return None if self.tools is None else sum(c for c, _, _ in self.tools.values())
 
     @property
     def sample_class(self) -> str:
@@ -126,7 +124,7 @@ def _invalid_tool(record: dict) -> bool:
     stats = record.get("tool_stats")
     if not isinstance(stats, dict) or not isinstance(record.get("conversations"), list):
         return True
-    return any(name not in _KNOWN_TOOLS for name in stats)
+    return not _KNOWN_TOOLS.issuperset(stats)
 
 
 def _int(value: Any) -> int:
@@ -140,47 +138,57 @@ def _num(value: Any) -> float:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
-def _make_row(record: dict, key: str, rank: int, file_no: int, line_no: int, offset: int, length: int) -> _Row:
-    metadata = record.get("metadata") or {}
+_UNUSED = {"count": 0, "success": 0, "failure": 0}
+_ROW_USAGE = (*_USAGE_KEYS, "cost", "retries")  # the order of _Row.usage
+
+
+def _tool_counts(raw: Any) -> dict[str, tuple[int, int, int]]:
+    if not isinstance(raw, dict):
+        return {}
+    used = [(name, s) for name, s in raw.items() if s != _UNUSED and isinstance(s, dict)]
+    counts = {str(name): (_int(s.get("count")), _int(s.get("success")), _int(s.get("failure"))) for name, s in used}
+    return {name: c for name, c in counts.items() if any(c)}
+
+
+def _make_row(record: dict, key: str, rank: int, file_no: int, line_no: int, offset: int, length: int,
+              ts: float | None) -> _Row:
+    """The report's view of one attempt (only called when it beats the row's best so far)."""
+    metadata = record["metadata"]
     outcome = record_outcome(record)
-    tools = turns = reasoning = None
-    toolsets = None
-    if outcome != "failed":
-        raw = record.get("tool_stats") if isinstance(record.get("tool_stats"), dict) else {}
-        tools = {}
-        for name, s in raw.items():
-            if isinstance(s, dict) and (s.get("count") or s.get("success") or s.get("failure")):
-                tools[str(name)] = (_int(s.get("count")), _int(s.get("success")), _int(s.get("failure")))
+    tools = turns = reasoning = toolsets = usage = None
+    if outcome == "failed":
+        code = FAILED
+    else:
+        code = DISCARDED if outcome == "discarded" else PARTIAL if record.get("partial") else OK
+        tools = _tool_counts(record.get("tool_stats"))
         used = record.get("toolsets_used")
-        toolsets = tuple(str(t) for t in used) if isinstance(used, list) else ()
-        rs = record.get("reasoning_stats") if isinstance(record.get("reasoning_stats"), dict) else {}
+        toolsets = tuple(map(str, used)) if isinstance(used, list) else ()
+        rs = record.get("reasoning_stats")
+        rs = rs if isinstance(rs, dict) else {}
         reasoning = (_int(rs.get("total_assistant_turns")), _int(rs.get("turns_with_reasoning")),
                      _int(rs.get("turns_without_reasoning")))
         turns = reasoning[0]
         if not turns and isinstance(record.get("conversations"), list):
             turns = sum(1 for t in record["conversations"] if isinstance(t, dict) and t.get("from") == "gpt")
-    if outcome == "failed":
-        code = FAILED
-    elif outcome == "discarded":
-        code = DISCARDED
-    else:
-        code = PARTIAL if record.get("partial") else OK
-    usage = metadata.get("usage") if isinstance(metadata.get("usage"), dict) else {}
+        raw_usage = metadata.get("usage")
+        if code != DISCARDED and isinstance(raw_usage, dict):
+            usage = tuple(_num(raw_usage.get(k)) for k in _ROW_USAGE)
     duration = metadata.get("duration_seconds")
+    row_id = metadata.get("id")
     return _Row(
         key=key, rank=rank, code=code, index=_int(record.get("prompt_index")), file_no=file_no, line_no=line_no,
         offset=offset, length=length,
         error_class=(str(record.get("error_class") or "agent") if code == FAILED else None),
         error=_one_line(record.get("error"), ERROR_CHARS) if code == FAILED else "",
-        row_id=_one_line(str(metadata["id"]) if metadata.get("id") is not None else "", ID_CHARS),
+        row_id=_one_line(str(row_id), ID_CHARS) if row_id is not None else "",
         preview=_one_line(_prompt_of(record), PREVIEW_CHARS),
-        ts=_parse_time(metadata.get("timestamp")),
+        ts=ts,
         duration=float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool) else None,
-        toolsets=toolsets, tools=tools, turns=turns, reasoning=reasoning,
-        usage={k: _num(usage.get(k)) for k in (*_USAGE_KEYS, "cost", "retries", "requests")},
+        toolsets=toolsets, tools=tools, tool_calls=None if tools is None else sum(c[0] for c in tools.values()),
+        turns=turns, reasoning=reasoning, usage=usage,
         api_calls=_int(record.get("api_calls")),
-        completed=bool(record.get("completed")), partial=bool(record.get("partial")),
-        stop_reason=metadata.get("stop_reason") if isinstance(metadata.get("stop_reason"), str) else None,
+        completed=bool(record.get("completed")),
+        partial=bool(record.get("partial")),
     )
 
 
@@ -193,7 +201,13 @@ def _read_json(path: Path) -> dict | None:
 
 
 class _Scan:
-    """One streaming pass over the batch files: the winning attempt per row plus run-wide tallies."""
+    """One streaming pass over all batch files of a run, in file order: the winning attempt per
+    row key, and run-wide tallies.
+
+    One process on purpose: parsing the JSON is the cost (about 1.4 GB per 100,000 real rows), and
+    worker processes would have to send every row's summary back through pickle, which cost as
+    much as it saved when we measured it.
+    """
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
@@ -206,9 +220,9 @@ class _Scan:
         self.spent = {**dict.fromkeys(_USAGE_KEYS, 0), "cost": 0.0, "requests": 0}  # every attempt
         self.invocations: dict[str, list] = {}  # run_id -> [start, end, lines]
         for file_no, path in enumerate(self.files):
-            self._read_file(file_no, path)
+            self.read_file(file_no, path)
 
-    def _read_file(self, file_no: int, path: Path) -> None:
+    def read_file(self, file_no: int, path: Path) -> None:
         for line_no, (offset, line) in enumerate(iter_lines(path), start=1):
             self.lines += 1
             try:
@@ -220,7 +234,7 @@ class _Scan:
                 self.unreadable += 1
                 continue
             self.attempts[key] += 1
-            self._note_attempt(record)
+            ts = self._note_attempt(record["metadata"])
             outcome = record_outcome(record)
             if outcome == "ok" and _invalid_tool(record):
                 self.filtered += 1
@@ -228,21 +242,30 @@ class _Scan:
             rank = OUTCOME_RANK[outcome]
             best = self.rows.get(key)
             if best is None or rank > best.rank:
-                self.rows[key] = _make_row(record, key, rank, file_no, line_no, offset, len(line))
+                self.rows[key] = _make_row(record, key, rank, file_no, line_no, offset, len(line), ts)
 
-    def _note_attempt(self, record: dict) -> None:
-        metadata = record["metadata"]
+    def _note_attempt(self, metadata: dict) -> float | None:
+        """Tally what every attempt spent and when each invocation ran; returns the line's time."""
         usage = metadata.get("usage")
         if isinstance(usage, dict):
-            for k in self.spent:
-                self.spent[k] += _num(usage.get(k))
+            spent = self.spent
+            for k, v in usage.items():
+                if k in spent and isinstance(v, (int, float)):
+                    spent[k] += v
         ts = _parse_time(metadata.get("timestamp"))
         if ts is None:
-            return
+            return None
         duration = metadata.get("duration_seconds")
         start = ts - (duration if isinstance(duration, (int, float)) and not isinstance(duration, bool) else 0)
-        span = self.invocations.setdefault(str(metadata.get("run_id") or "?"), [start, ts, 0])
-        span[0], span[1], span[2] = min(span[0], start), max(span[1], ts), span[2] + 1
+        self._note_span(str(metadata.get("run_id") or "?"), start, ts, 1)
+        return ts
+
+    def _note_span(self, run_id: str, start: float, end: float, lines: int) -> None:
+        span = self.invocations.get(run_id)
+        if span is None:
+            self.invocations[run_id] = [start, end, lines]
+        else:
+            span[0], span[1], span[2] = min(span[0], start), max(span[1], end), span[2] + lines
 
 
 def _rate(success: int, failure: int) -> float:
@@ -255,8 +278,8 @@ def _timeline(rows: list[_Row], invocations: dict[str, list]) -> dict | None:
     if not stamped:
         return None
     starts = [span[0] for span in invocations.values()] or [min(r.ts for r in stamped)]
-    start = min(min(starts), min(r.ts for r in stamped))
-    end = max(r.ts for r in stamped)
+    times = [r.ts for r in stamped]
+    start, end = min(min(starts), min(times)), max(times)
     bucket = _nice_bucket((end - start) / TIMELINE_BUCKETS)
     count = min(int((end - start) // bucket) + 1, TIMELINE_BUCKETS + 1)
     series = [[0] * count for _ in OUTCOME_NAMES]
@@ -328,10 +351,11 @@ def _summarise(scan: _Scan) -> dict:
                 rows_using[name] += 1
         for i in range(3):
             reasoning[i] += r.reasoning[i]
-        for k in _USAGE_KEYS:
-            tokens[k] += r.usage[k]
-        cost += r.usage["cost"]
-        retries += int(r.usage["retries"])
+        if r.usage:
+            for k, v in zip(_USAGE_KEYS, r.usage):
+                tokens[k] += v
+            cost += r.usage[5]
+            retries += int(r.usage[6])
         api_calls += r.api_calls
     tool_statistics = {
         name: {"count": c, "success": s, "failure": f, "success_rate": _rate(s, f), "rows": rows_using[name]}
@@ -438,9 +462,23 @@ def _histogram(values) -> dict[str, int]:
     return {str(k): counts[k] for k in sorted(counts)}
 
 
+@contextmanager
+def _no_gc_pauses():
+    """Build the report without cyclic-GC passes: 100,000 live row summaries make every full
+    collection walk them all, which cost a third of the time; nothing here creates cycles."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def summarise_run(run_dir: Path) -> dict:
     """Every figure the report shows, from the run directory's files alone (JSON-serialisable)."""
-    return _summarise(_Scan(Path(run_dir)))
+    with _no_gc_pauses():
+        return _summarise(_Scan(Path(run_dir)))
 
 
 # --- the sample of full conversations --------------------------------------------------------
@@ -607,12 +645,13 @@ def _json_for_script(value: Any) -> bytes:
 def write_report(run_dir: Path, *, max_full_conversations: int = 500, log=print) -> Path:
     """Write <run_dir>/report.html (temp file + rename) from the run's files and return its path."""
     run_dir = Path(run_dir)
-    scan = _Scan(run_dir)
-    summary = _summarise(scan)
-    rows = sorted(scan.rows.values(), key=lambda r: (r.index, r.key))
-    compact = _compact_rows(rows, summary, scan.files, scan.attempts)
-    chosen = choose_sample(rows, max_full_conversations)
-    full, systems = _load_full(scan, rows, chosen)
+    with _no_gc_pauses():
+        scan = _Scan(run_dir)
+        summary = _summarise(scan)
+        rows = sorted(scan.rows.values(), key=lambda r: (r.index, r.key))
+        compact = _compact_rows(rows, summary, scan.files, scan.attempts)
+        chosen = choose_sample(rows, max_full_conversations)
+        full, systems = _load_full(scan, rows, chosen)
     summary["sample"] = {"embedded": len(full), "limit": max_full_conversations, "rows": len(rows)}
     summary.pop("run_dir", None)  # a local path says nothing to whoever receives the file
     blocks = {

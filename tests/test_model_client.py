@@ -129,4 +129,5 @@ def test_requests_per_minute_paces_requests(tmp_path, model_server):
                     "--num_processes=1", "--max_requests_per_minute=120"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     times = sorted(r.time for r in model_server.requests)
-    assert len(times) == 4 and times[-1] - times[0] >= 1.3  # 120/min = one start every 0.5 s
+    # 120/min = one start every 0.5 s (the first may reach the server late: connection set-up)
+    assert len(times) == 4 and times[-1] - times[1] >= 0.9 and times[-1] - times[0] >= 1.0

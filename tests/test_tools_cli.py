@@ -38,7 +38,7 @@ def test_offline_model_browses_and_searches_local_pages(tmp_path, site):
         pytest.skip("chromium is not installed")
     prompt = f"Research the latest about the page at {site.url('/')} and tell me what it offers."
     dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt}])
-    proc = run_cli(_args(dataset, "--distribution=browser_use", "--seed=1"), tmp_path,
+    proc = run_cli(_args(dataset, "--distribution=default"), tmp_path,
                    env={"SEARXNG_URL": site.url("")})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")
