@@ -352,16 +352,17 @@ class BatchRunner:
         if not scan.rows:
             raise UsageError(f"{config.dataset_file}: no valid rows")
         self._print_header(scan)
-        self._prepare_run_dir()
 
         from runner.store import RunLock, RunStore
 
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         lock = RunLock(self.run_dir)
         try:
             lock.acquire(self.log)
         except RuntimeError as err:
             raise UsageError(str(err)) from None
         try:
+            self._prepare_run_dir()
             return self._run_locked(scan, RunStore(self.run_dir, config.run_name, config.batch_size))
         finally:
             lock.release()
@@ -395,18 +396,14 @@ class BatchRunner:
             print(f"   🔒 Ephemeral system prompt: '{text[:60]}{'...' if len(text) > 60 else ''}'")
 
     def _prepare_run_dir(self) -> None:
-        """Refuse to mix runs by accident: a rerun needs --resume (or --overwrite)."""
+        """Refuse to mix runs by accident: a rerun needs --resume (or --overwrite). Runs under the lock."""
         from runner.store import batch_files
 
         run_dir = self.run_dir
-        has_rows = run_dir.is_dir() and bool(batch_files(run_dir))
+        has_rows = bool(batch_files(run_dir))
         if has_rows and self.overwrite:
-            if (run_dir / ".lock").exists():
-                from runner.store import RunLock
-
-                RunLock(run_dir).acquire(self.log)  # refuses if a live runner owns it
             for path in run_dir.iterdir():
-                if path.is_file() and (path.suffix in (".jsonl", ".json", ".torn", ".html") or path.name == ".lock"):
+                if path.is_file() and path.suffix in (".jsonl", ".json", ".torn", ".html"):
                     path.unlink()
             print(f"🗑️  --overwrite: removed the earlier outputs in {run_dir}")
         elif has_rows and not self.resume:
@@ -414,7 +411,6 @@ class BatchRunner:
                 f"{run_dir} already holds rows of an earlier run; use --resume to continue it "
                 "or --overwrite to start again from scratch"
             )
-        run_dir.mkdir(parents=True, exist_ok=True)
 
     def _check_fingerprint(self) -> None:
         import json
