@@ -211,7 +211,9 @@ def main() -> None:
             if "🚀 Running" in line:
                 break
         checks = [
-            (f"scan_dataset + iter_rows <= {TIME_TARGET_S:g} s", both_s <= TIME_TARGET_S, f"{both_s:.2f} s"),
+            (f"scan_dataset <= {TIME_TARGET_S:g} s", scan_s <= TIME_TARGET_S, f"{scan_s:.2f} s"),
+            (f"scan_dataset + one iter_rows pass <= {TIME_TARGET_S:g} s (stricter reading)", both_s <= TIME_TARGET_S,
+             f"{both_s:.2f} s"),
             (f"scan subprocess peak RSS < {MEM_TARGET_MB:g} MB", peak_mb < MEM_TARGET_MB, f"{peak_mb:.0f} MB"),
             (f"CLI parent peak RSS < {MEM_TARGET_MB:g} MB", cli_parent_mb < MEM_TARGET_MB, f"{cli_parent_mb:.0f} MB"),
             (f"CLI time to first dispatch <= {TIME_TARGET_S:g} s", dispatch <= TIME_TARGET_S, f"{dispatch:.2f} s"),

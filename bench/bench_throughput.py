@@ -257,7 +257,8 @@ def main() -> None:
         for key in ("sessions", "latency", "prompts"):
             if getattr(opts, key) is not None:
                 p[key] = getattr(opts, key)
-        runs = [run_preset(name, p["sessions"], p["latency"], p["prompts"], opts.keep, opts.num_processes)
+        label = name if p == PRESETS[name] else f"{name}*"  # * = overridden by --sessions/--latency/--prompts
+        runs = [run_preset(label, p["sessions"], p["latency"], p["prompts"], opts.keep, opts.num_processes)
                 for _ in range(max(1, opts.repeat))]
         runs.sort(key=lambda r: r["throughput"])
         chosen = runs[len(runs) // 2]

@@ -143,7 +143,6 @@ class _Actor:
     sessions: int
     ready_ref: Any = None  # the pending `ready()` call; None once the actor answered
     in_flight: dict = field(default_factory=dict)  # ObjectRef -> task
-    restarts: int = 0
 
     @property
     def ready(self) -> bool:
@@ -194,6 +193,7 @@ class RayExecutor:
     def _connect(self) -> None:
         ray = self.ray
         address = self.config.ray_address
+        _check_reachable(address)  # Ray itself retries an unreachable address for minutes
         try:
             if not ray.is_initialized():  # (a caller that connected already keeps its connection)
                 import logging
@@ -229,10 +229,10 @@ class RayExecutor:
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         return {"env_vars": {"PYTHONPATH": path}}
 
-    def _create_actor(self, node_id: str, node: dict) -> None:
-        total = self.sessions * max(1, len(self._eligible_nodes()))
-        # WorkerRuntime splits --max_requests_per_minute by sessions / num_workers: the whole cluster.
-        config = self.config.model_copy(update={"num_workers": max(total, self.sessions)})
+    def _create_actor(self, node_id: str, node: dict, nodes: int) -> None:
+        # WorkerRuntime gives each worker sessions / num_workers of --max_requests_per_minute: here
+        # num_workers is every session of the cluster, so the budget is the whole run's.
+        config = self.config.model_copy(update={"num_workers": self.sessions * max(1, nodes)})
         options: dict[str, Any] = {
             "scheduling_strategy": self._affinity(node_id=node_id, soft=False),
             "max_concurrency": self.sessions + 1,  # the sessions, plus room for ready()/close()
@@ -244,8 +244,7 @@ class RayExecutor:
         if runtime_env:
             options["runtime_env"] = runtime_env
         handle = self._actor_cls.options(**options).remote(config, self.unavailable, self.sessions)
-        self.actors.append(_Actor(node_id, handle, self.sessions, ready_ref=handle.ready.remote(),
-                                  restarts=self.restarts.get(node_id, 0)))
+        self.actors.append(_Actor(node_id, handle, self.sessions, ready_ref=handle.ready.remote()))
 
     # --- the executor interface -------------------------------------------------------------
 
@@ -254,8 +253,9 @@ class RayExecutor:
         return f"Ray: {nodes} node(s) x {self.sessions} sessions"
 
     def start(self) -> None:
-        for node_id, node in self._eligible_nodes().items():
-            self._create_actor(node_id, node)
+        nodes = self._eligible_nodes()
+        for node_id, node in nodes.items():
+            self._create_actor(node_id, node, len(nodes))
         self._last_refresh = time.monotonic()
         deadline = time.monotonic() + self.START_TIMEOUT
         while any(not a.ready for a in self.actors) and time.monotonic() < deadline:
@@ -435,7 +435,7 @@ class RayExecutor:
                 if node_id not in covered and node_id not in self.gone_nodes:
                     if node_id not in self.restarts:
                         self.log(f"➕ Ray node {node_id[:8]} joined: starting a worker on it")
-                    self._create_actor(node_id, node)
+                    self._create_actor(node_id, node, len(nodes))
         while self.backlog:
             live = [a for a in self.actors if a.ready and len(a.in_flight) < a.sessions]
             if not live:
@@ -503,3 +503,18 @@ def _reason(err: Exception, last: bool = False) -> str:
     if not lines:
         return type(err).__name__
     return (lines[-1] if last else lines[0])[:300]
+
+
+def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
+    """Fail fast, in one line, when a host:port cluster address does not answer."""
+    import socket
+
+    if not address or address in ("auto", "local") or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise RuntimeError(f"--ray_address={address!r} is not 'auto' or host:port (the head node's GCS address)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise RuntimeError(f"cannot reach the Ray cluster at {address}: {err} (is `ray start --head` running there?)") from None

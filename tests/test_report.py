@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -180,7 +179,7 @@ def test_summary_tools_toolsets_histograms_and_time(hand_run):
     d = s["duration"]
     assert [i["run_id"] for i in d["invocations"]] == ["run1", "run2"]
     assert d["invocations"][0]["lines"] == 8 and d["invocations"][1]["lines"] == 1
-    assert d["active_seconds"] == pytest.approx((72 - 8) + 2)  # 10:00:08..10:01:20, then 11:00:03..11:00:05
+    assert d["active_seconds"] == pytest.approx(72 + 2)  # 10:00:08..10:01:20, then 11:00:03..11:00:05
     assert d["span_seconds"] == pytest.approx(3595)  # first row 10:00:10, last 11:00:05
     assert d["first_row_at"] == "2026-01-01T10:00:10" and d["last_row_at"] == "2026-01-01T11:00:05"
     assert d["last_invocation_seconds"] == 12.5
@@ -304,7 +303,7 @@ def test_report_page_in_chromium(tmp_path, model_server, remote_args):
     from playwright.sync_api import sync_playwright
 
     rows = [{"prompt": TERMINAL + f"Run the command, case {i}.", "id": f"row-{i}"} for i in range(6)]
-    rows[2]["prompt"] = TERMINAL + '@tool write_file {"path": "a.txt", "content": "<b>hi</b>"}\n' + HOSTILE
+    rows[2]["prompt"] = HOSTILE + "\n" + TERMINAL + '@tool write_file {"path": "a.txt", "content": "<b>hi</b>"}\n'
     rows += [
         {"prompt": "@reasoning none\nAnswer plainly.", "id": "plain"},
         {"prompt": "@fail 400 1\nA bad request.", "id": "bad-1"},
@@ -409,5 +408,4 @@ def test_report_page_in_chromium(tmp_path, model_server, remote_args):
             assert problems == []
         finally:
             browser.close()
-    shutil.copyfile(ARTIFACTS / "report.png", tmp_path / "report.png")  # the artifact is a real image file
-    assert (ARTIFACTS / "report.png").stat().st_size > 10_000
+    assert (ARTIFACTS / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
