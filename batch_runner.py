@@ -279,6 +279,11 @@ def build_config(**flags: Any):
     ephemeral = flags["ephemeral_system_prompt"]
     if flags["executor"] not in ("local", "ray"):
         raise UsageError(f"--executor must be local or ray (got {flags['executor']!r})")
+    if flags["executor"] == "ray":
+        try:
+            import ray  # noqa: F401  (checked before anything is written)
+        except ImportError:
+            raise UsageError("--executor=ray needs Ray: pip install 'agent-batch-runner[ray]' (or pip install ray)") from None
     return RunConfig(
         dataset_file=str(flags["dataset_file"]),
         run_name=run_name,
@@ -390,7 +395,10 @@ class BatchRunner:
         print(f"   Distribution: {c.distribution}")
         print(f"   Model: {c.model}" + (f" @ {c.base_url}" if c.base_url else " (built-in offline model)"))
         print(f"   Output directory: {self.run_dir}")
-        print(f"   Workers: {c.num_workers} concurrent sessions")
+        if c.executor == "ray":
+            print(f"   Workers: Ray cluster {c.ray_address or '(local)'}, {c.sessions_per_node or c.num_workers} sessions per node")
+        else:
+            print(f"   Workers: {c.num_workers} concurrent sessions")
         if c.ephemeral_system_prompt:
             text = c.ephemeral_system_prompt
             print(f"   🔒 Ephemeral system prompt: '{text[:60]}{'...' if len(text) > 60 else ''}'")
@@ -550,8 +558,8 @@ class BatchRunner:
     def _prepare_images(self, scan) -> dict[str, str]:
         """Check (and pull) every distinct image once, before any model call."""
         tools = self.config.tools
-        if tools.terminal_env != "docker":
-            return {}
+        if tools.terminal_env != "docker" or self.config.executor == "ray":
+            return {}  # with Ray, each node checks (and pulls) the images it needs itself
         from tools.environments.images import prepare_images, reap_stale_containers
 
         try:

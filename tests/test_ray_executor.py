@@ -283,6 +283,7 @@ def test_without_ray_the_cli_says_how_to_install_it(tmp_path):
                           timeout=60)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert errors == ["❌ Fatal error: RuntimeError: --executor=ray needs Ray: pip install 'agent-batch-runner[ray]' "
+    assert errors == ["❌ Error: --executor=ray needs Ray: pip install 'agent-batch-runner[ray]' "
                       "(or pip install ray)"], proc.stderr
     assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "data").exists()  # refused before anything was written
