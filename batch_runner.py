@@ -346,31 +346,52 @@ class BatchRunner:
 
     def run(self) -> int:
         from runner.dataset import DatasetError, scan_dataset
+        from runner.store import RunLock, RunStore
+        from tools.registry import tool_schema_version, unavailable_tools
 
         config = self.config
+        config.tool_schema_version = tool_schema_version()
+        unavailable = unavailable_tools(config.tools)
+        # Workers start now, so their imports overlap with reading the dataset and the run directory.
+        executor = self._make_executor(unavailable)
+        executor.start()
         try:
-            scan = scan_dataset(config.dataset_file, config.max_samples)
-        except DatasetError as err:
-            raise UsageError(str(err)) from None
-        if scan.errors:
-            self._report_bad_lines(scan)
-        if not scan.rows:
-            raise UsageError(f"{config.dataset_file}: no valid rows")
-        self._print_header(scan)
-
-        from runner.store import RunLock, RunStore
-
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        lock = RunLock(self.run_dir)
-        try:
-            lock.acquire(self.log)
-        except RuntimeError as err:
-            raise UsageError(str(err)) from None
-        try:
-            self._prepare_run_dir()
-            return self._run_locked(scan, RunStore(self.run_dir, config.run_name, config.batch_size))
+            try:
+                scan = scan_dataset(config.dataset_file, config.max_samples)
+            except DatasetError as err:
+                raise UsageError(str(err)) from None
+            if scan.errors:
+                self._report_bad_lines(scan)
+            if not scan.rows:
+                raise UsageError(f"{config.dataset_file}: no valid rows")
+            self._print_header(scan)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(self.run_dir)
+            try:
+                lock.acquire(self.log)
+            except RuntimeError as err:
+                raise UsageError(str(err)) from None
+            try:
+                self._prepare_run_dir()
+                store = RunStore(self.run_dir, config.run_name, config.batch_size)
+                return self._run_locked(scan, store, executor, unavailable)
+            finally:
+                lock.release()
         finally:
-            lock.release()
+            # SIGTERM to the workers: an idle one exits at once (even mid-import, after a bad
+            # dataset); one with sessions left cancels them, which removes their sandboxes.
+            executor.shutdown(abandon=True)
+
+    def _make_executor(self, unavailable: dict[str, str]):
+        config = self.config
+        if config.executor == "ray":
+            from runner.ray_executor import RayExecutor
+
+            return RayExecutor(config, unavailable, log=self.log)
+        from runner.executor import ProcessExecutor
+
+        processes = config.num_processes or os.cpu_count() or 1
+        return ProcessExecutor(config, unavailable, config.num_workers, processes, log=self.log)
 
     def _report_bad_lines(self, scan) -> None:
         errors = scan.errors
@@ -466,19 +487,16 @@ class BatchRunner:
             },
         )
 
-    def _run_locked(self, scan, store) -> int:
+    def _run_locked(self, scan, store, executor, unavailable: dict[str, str]) -> int:
         from runner.finalize import merge_run, print_summary, write_statistics
-        from tools.registry import tool_schema_version, unavailable_tools
 
         config = self.config
-        config.tool_schema_version = tool_schema_version()
         if self.resume:
             self._check_fingerprint()
         self._write_config()
         store.repair_torn_tails(self.log)
         store.load(self.log)
 
-        unavailable = unavailable_tools(config.tools)
         self._warn_unavailable(unavailable)
         done = sum(1 for key in scan.key_to_index if store.is_committed(key))
         remaining = scan.rows - done
@@ -488,7 +506,7 @@ class BatchRunner:
         started = time.monotonic()
         rows_this_run = 0
         if remaining:
-            rows_this_run = self._execute(scan, store, unavailable, remaining)
+            rows_this_run = self._execute(scan, store, executor, remaining)
         else:
             print("✅ All prompts have already been processed; rebuilding the merged outputs.")
         store.close()
@@ -575,24 +593,16 @@ class BatchRunner:
         status = prepare_images(images, progress=lambda image, state: self.log(f"   {image}: {state}"))
         return {image: error for image, error in status.items() if error}
 
-    def _execute(self, scan, store, unavailable: dict, remaining: int) -> int:
+    def _execute(self, scan, store, executor, remaining: int) -> int:
         from tqdm import tqdm
 
-        from runner.executor import ProcessExecutor, lost_row_record
+        from runner.executor import lost_row_record
 
         config = self.config
         failed_images = self._prepare_images(scan)
-        if config.executor == "ray":
-            from runner.ray_executor import RayExecutor
-
-            executor = RayExecutor(config, unavailable, log=self.log)
-        else:
-            processes = config.num_processes or os.cpu_count() or 1
-            executor = ProcessExecutor(config, unavailable, config.num_workers, processes, log=self.log)
         counts = {"ok": 0, "failed": 0, "discarded": 0, "retries": 0}
         self._install_signal_handlers(executor)
         print(f"\n🚀 Running {remaining:,} prompts: {executor.describe()}\n")
-        executor.start()
         tasks = self._tasks(scan, store, failed_images)
         exhausted = False
         committed = 0
@@ -615,6 +625,7 @@ class BatchRunner:
                     grace_deadline = time.monotonic() + config.grace_period
                 if grace_deadline is not None and time.monotonic() > grace_deadline and executor.in_flight():
                     self.log(f"⏹️  Grace period over: abandoning {executor.in_flight()} in-flight prompt(s) (not committed)")
+                    executor.shutdown(abandon=True)  # stop paying for them now, not after the merge
                     break
                 records = immediate + (executor.poll(0.2) if executor.in_flight() else [])
                 if records:
@@ -624,8 +635,6 @@ class BatchRunner:
                 else:
                     store.save_checkpoint()
         finally:
-            abandon = executor.in_flight() > 0
-            executor.shutdown(abandon=abandon)
             self._bar.close()
             self._bar = None
             signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -159,36 +159,28 @@ def classify_status(status: int, message: str) -> tuple[str, bool]:
 
 
 def _usage_dict(usage: Any) -> dict:
-    if usage is None:
+    if not isinstance(usage, dict):
         return {}
-    data = usage.model_dump() if hasattr(usage, "model_dump") else dict(usage)
-    details = data.get("completion_tokens_details") or {}
-    prompt_details = data.get("prompt_tokens_details") or {}
+    details = usage.get("completion_tokens_details") or {}
+    prompt_details = usage.get("prompt_tokens_details") or {}
     return {
-        "prompt_tokens": data.get("prompt_tokens") or 0,
-        "completion_tokens": data.get("completion_tokens") or 0,
-        "total_tokens": data.get("total_tokens") or 0,
+        "prompt_tokens": usage.get("prompt_tokens") or 0,
+        "completion_tokens": usage.get("completion_tokens") or 0,
+        "total_tokens": usage.get("total_tokens") or 0,
         "reasoning_tokens": details.get("reasoning_tokens") or 0,
         "cached_tokens": prompt_details.get("cached_tokens") or 0,
-        "cost": data.get("cost") or 0.0,  # OpenRouter reports the charge here
+        "cost": usage.get("cost") or 0.0,  # OpenRouter reports the charge here
     }
 
 
-def _field(obj: Any, name: str) -> Any:
-    value = getattr(obj, name, None)
-    if value is None and getattr(obj, "model_extra", None):
-        value = obj.model_extra.get(name)
-    return value
-
-
-def extract_reasoning(message: Any) -> tuple[str | None, list | None]:
+def extract_reasoning(message: dict) -> tuple[str | None, list | None]:
     """Join native reasoning from `reasoning`, `reasoning_content` and `reasoning_details`."""
     pieces: list[str] = []
     for name in ("reasoning", "reasoning_content"):
-        text = _field(message, name)
+        text = message.get(name)
         if isinstance(text, str) and text.strip() and text not in pieces:
             pieces.append(text)
-    details = _field(message, "reasoning_details")
+    details = message.get("reasoning_details")
     if isinstance(details, list):
         for item in details:
             if isinstance(item, dict):
@@ -199,31 +191,33 @@ def extract_reasoning(message: Any) -> tuple[str | None, list | None]:
 
 
 def reply_from_completion(completion: Any) -> ModelReply:
-    choices = getattr(completion, "choices", None)
-    if not choices:
+    """Normalise a chat-completion body (a dict, as the endpoint sent it)."""
+    choices = completion.get("choices") if isinstance(completion, dict) else None
+    if not choices or not isinstance(choices[0], dict) or not isinstance(choices[0].get("message"), dict):
         raise ValueError("the response has no choices")
     choice = choices[0]
-    message = choice.message
+    message = choice["message"]
     reasoning, details = extract_reasoning(message)
     tool_calls = []
-    for call in message.tool_calls or []:
-        function = getattr(call, "function", None)
-        if function is None:
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
             continue
         tool_calls.append(
             {
-                "id": call.id or "",
+                "id": call.get("id") or "",
                 "type": "function",
-                "function": {"name": function.name or "", "arguments": function.arguments or ""},
+                "function": {"name": function.get("name") or "", "arguments": function.get("arguments") or ""},
             }
         )
+    content = message.get("content")
     return ModelReply(
-        content=message.content,
+        content=content if isinstance(content, str) or content is None else str(content),
         reasoning=reasoning,
         tool_calls=tool_calls,
-        finish_reason=choice.finish_reason,
+        finish_reason=choice.get("finish_reason"),
         reasoning_details=details,
-        usage=_usage_dict(getattr(completion, "usage", None)),
+        usage=_usage_dict(completion.get("usage")),
     )
 
 
@@ -243,7 +237,8 @@ class ModelClient:
         import openai
 
         self.policy = policy or RetryPolicy()
-        limits = httpx.Limits(max_connections=max(8, max_in_flight * 2), max_keepalive_connections=max(8, max_in_flight))
+        # One connection per session in flight: a larger pool only costs expiry checks per request.
+        limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
         self._openai = openai
         self._client = openai.AsyncOpenAI(
             base_url=base_url,
@@ -267,13 +262,13 @@ class ModelClient:
     ) -> ModelReply:
         openai = self._openai
         policy = self.policy
-        kwargs: dict[str, Any] = {"model": model, "messages": messages}
+        body: dict[str, Any] = {"model": model, "messages": messages}
         if tools:
-            kwargs["tools"] = tools
+            body["tools"] = tools
         if max_tokens:
-            kwargs["max_tokens"] = max_tokens
+            body["max_tokens"] = max_tokens
         if extra_body:
-            kwargs["extra_body"] = extra_body
+            body.update(extra_body)
         waited = 0.0
         for attempt in range(1, policy.max_attempts + 1):
             requested: float | None = None
@@ -282,7 +277,9 @@ class ModelClient:
                 async with self.limiter:
                     if stats is not None:
                         stats.requests += 1
-                    completion = await self._client.chat.completions.create(**kwargs)
+                    # The SDK's transport and errors, without its typed request/response models:
+                    # the body is already plain JSON, and converting it costs more CPU than the rest.
+                    completion = await self._client.post("/chat/completions", body=body, cast_to=object)
                 reply = reply_from_completion(completion)
                 self.limiter.on_success()
                 if stats is not None:

@@ -113,6 +113,7 @@ def run_preset(name: str, sessions: int, latency: float, prompts: int, keep: boo
             lo, hi = stamps[len(stamps) // 10], stamps[(len(stamps) * 9) // 10]
             steady = ((len(stamps) * 9) // 10 - len(stamps) // 10) / (hi - lo) if hi > lo else None
         first_result = stamps[0] - (run.started_wall + t_running) if stamps else None
+        last_to_combining = (run.started_wall + t_combining) - stamps[-1] if stamps else None
         sampler = run.sampler
         parent_cpu = sampler.cpu_by_pid.get(sampler.root_pid, 0.0)
         cpu_before = sampler.marked("running") or 0.0
@@ -124,7 +125,7 @@ def run_preset(name: str, sessions: int, latency: float, prompts: int, keep: boo
             "dispatch": dispatch, "tail_after_dispatch": run.wall - t_combining,
             "throughput": prompts / dispatch, "ideal": ideal, "ratio": prompts / dispatch / ideal,
             "steady": steady, "steady_ratio": steady / ideal if steady else None,
-            "first_result": first_result,
+            "first_result": first_result, "last_to_combining": last_to_combining,
             "cpu_total": run.rusage_cpu, "cpu_ms_per_prompt": run.rusage_cpu / prompts * 1000,
             "cpu_sampled": sampler.cpu_seen(), "cpu_parent_sampled": parent_cpu,
             "cpu_workers_sampled": sampler.cpu_seen() - parent_cpu,
@@ -158,6 +159,8 @@ def report(results: list[dict]) -> bool:
         ["  dispatch phase (s)"] + [fmt(r["dispatch"], ".2f") for r in results],
         ["  merge+stats+report+exit (s)"] + [fmt(r["tail_after_dispatch"], ".2f") for r in results],
         ["  'Running' -> first row done (s)"] + [fmt(r["first_result"], ".2f") for r in results],
+        ["  ideal first row = 2 x latency (s)"] + [fmt(TURNS * r["latency"], ".2f") for r in results],
+        ["  last row done -> '📦 Combining' (s)"] + [fmt(r["last_to_combining"], ".2f") for r in results],
         ["throughput (prompts/s)"] + [fmt(r["throughput"], ".1f") for r in results],
         ["ideal = S / (2 x latency)"] + [fmt(r["ideal"], ".1f") for r in results],
         ["ratio (target >= 0.9)"] + [fmt(r["ratio"], ".3f") for r in results],

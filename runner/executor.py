@@ -61,6 +61,7 @@ class ProcessExecutor:
         self._ctx = mp.get_context("spawn")  # no inherited threads or locks from the parent
         self.results = self._ctx.Queue()
         self.workers: list[_Worker] = []
+        self._closed = False
 
     def describe(self) -> str:
         return f"{sum(self.slot_plan)} sessions on {len(self.slot_plan)} process(es)"
@@ -126,7 +127,10 @@ class ProcessExecutor:
         return lost
 
     def shutdown(self, abandon: bool = False, timeout: float = 15.0) -> None:
-        """Stop the workers. abandon=True cancels in-flight sessions (their sandboxes are removed)."""
+        """Stop the workers (once). abandon=True cancels in-flight sessions (their sandboxes are removed)."""
+        if self._closed:
+            return
+        self._closed = True
         for worker in self.workers:
             if abandon and worker.process.is_alive():
                 worker.process.terminate()  # SIGTERM: the worker cancels its sessions and cleans up

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
 
@@ -216,6 +217,9 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
         inbox.put_nowait(None)
 
     loop.add_signal_handler(signal.SIGTERM, stop_now)
+    # Blocking work (sandbox start, commands, cleanup) runs in threads: one per session, so a
+    # session never waits for another's thread (the default pool has only CPU count + 4).
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=sessions + 4, thread_name_prefix="abr-io"))
     threading.Thread(target=read_tasks, daemon=True).start()
 
     async def handle(task: dict) -> None:
