@@ -221,6 +221,19 @@ def reply_from_completion(completion: Any) -> ModelReply:
     )
 
 
+def _http_client(openai: Any, connections: int) -> Any:
+    """The SDK's aiohttp transport when installed (the default dependency set): it spends about a
+    third less CPU per request than the httpx one, which is what bounds sessions per process."""
+    try:
+        return openai.DefaultAioHttpClient()
+    except (AttributeError, RuntimeError):  # an SDK without aiohttp support, or aiohttp missing
+        import httpx
+
+        # One connection per session in flight: a larger pool only costs expiry checks per request.
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        return openai.DefaultAsyncHttpxClient(limits=limits)
+
+
 class ModelClient:
     """One endpoint, shared by all sessions of a worker process."""
 
@@ -233,19 +246,16 @@ class ModelClient:
         requests_per_minute: float | None = None,
         policy: RetryPolicy | None = None,
     ):
-        import httpx
         import openai
 
         self.policy = policy or RetryPolicy()
-        # One connection per session in flight: a larger pool only costs expiry checks per request.
-        limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
         self._openai = openai
         self._client = openai.AsyncOpenAI(
             base_url=base_url,
             api_key=api_key or "no-key",
             max_retries=0,  # this class is the only retry layer
             timeout=self.policy.request_timeout,
-            http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+            http_client=_http_client(openai, max_in_flight),
         )
         self.limiter = AdaptiveLimiter(max_in_flight)
         self.pacer = RequestPacer(requests_per_minute)

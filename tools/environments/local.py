@@ -186,7 +186,7 @@ class LocalEnvironment:
     def _kill_session_processes(self) -> None:
         marker = f"{_MARKER_VAR}={self._marker}".encode()
         for _ in range(10):  # repeat: a process may fork while we are killing its parent
-            found = [pid for pid in _all_pids() if marker in _environ(pid)]
+            found = [pid for pid in _all_pids() if marker in _environ_bytes(pid)]
             if not found:
                 return
             for pid in found:
@@ -238,12 +238,13 @@ def _all_pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
-def _environ(pid: int) -> list[bytes]:
+def _environ_bytes(pid: int) -> bytes:
+    """The raw environment block of `pid` (the marker is unique, so a substring test is exact)."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f.read().split(b"\0")
+        with open(f"/proc/{pid}/environ", "rb", buffering=0) as f:
+            return f.read()
     except OSError:
-        return []
+        return b""
 
 
 def _namespace_of(pid: int) -> tuple[int, int] | None:
