@@ -30,6 +30,7 @@ class _Winner:
     offset: int
     length: int
     error_class: str | None
+    same_index: bool  # the line's prompt_index is the row's index in the current dataset
 
 
 @dataclass
@@ -90,7 +91,10 @@ def merge_run(run_dir: Path, key_to_index: dict[str, int], log=print) -> MergeRe
             rank = OUTCOME_RANK[outcome]
             best = winners.get(key)
             if best is None or rank > best.rank:
-                winners[key] = _Winner(rank, file_no, offset, len(line), record.get("error_class"))
+                same_index = record.get("prompt_index") == key_to_index[key]
+                winners[key] = _Winner(rank, file_no, offset, len(line), record.get("error_class"), same_index)
+                if outcome == "ok":  # nothing outranks ok: this line is final, count it now
+                    _accumulate(record, result)
     result.stale = len(stale)
 
     ok_rows = []
@@ -105,11 +109,11 @@ def merge_run(run_dir: Path, key_to_index: dict[str, int], log=print) -> MergeRe
             result.failed_by_class[cls] = result.failed_by_class.get(cls, 0) + 1
     result.not_run = len(key_to_index) - len(winners)
     ok_rows.sort(key=lambda item: item[0])
-    _write_trajectories(run_dir, files, ok_rows, result)
+    _write_trajectories(run_dir, files, ok_rows)
     return result
 
 
-def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list, result: MergeResult) -> None:
+def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None:
     target = run_dir / "trajectories.jsonl"
     fd, tmp = tempfile.mkstemp(prefix=".trajectories_", suffix=".tmp", dir=run_dir)
     handles = {}
@@ -118,10 +122,12 @@ def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list, result:
             for index, winner in ok_rows:
                 handle = handles.get(winner.file_no) or handles.setdefault(winner.file_no, open(files[winner.file_no], "rb"))
                 handle.seek(winner.offset)
-                record = orjson.loads(handle.read(winner.length))
-                record["prompt_index"] = index  # the row's position in the current dataset
-                out.write(orjson.dumps(record) + b"\n")
-                _accumulate(record, result)
+                line = handle.read(winner.length)
+                if not winner.same_index:  # the dataset was edited: give the row its current position
+                    record = orjson.loads(line)
+                    record["prompt_index"] = index
+                    line = orjson.dumps(record) + b"\n"
+                out.write(line)  # committed lines were serialised by the store: copy them as they are
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, target)
