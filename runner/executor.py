@@ -12,10 +12,9 @@ import multiprocessing as mp
 import queue
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from runner.config import RunConfig
-from runner.worker import worker_main
+from runner.worker import failed_record, worker_main
 
 
 @dataclass
@@ -28,25 +27,8 @@ class _Worker:
 
 
 def lost_row_record(task: dict, config: RunConfig, error: str, error_class: str = "agent") -> dict:
-    """The failed record of a row whose worker vanished before answering."""
-    return {
-        "prompt_index": task["index"],
-        "failed": True,
-        "error": error,
-        "error_class": error_class,
-        "prompt": task["prompt"],
-        "metadata": {
-            "batch_num": None,
-            "timestamp": datetime.now().isoformat(),
-            "model": config.model,
-            "row_key": task["key"],
-            "id": task.get("id"),
-            "run_id": config.tools.run_id,
-            "attempt": task["attempt"],
-            "duration_seconds": 0.0,
-            "usage": {},
-        },
-    }
+    """The failed record of a row that got no answer (its worker vanished, or it never started)."""
+    return failed_record(task, config, error, error_class)
 
 
 class ProcessExecutor:

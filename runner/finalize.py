@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 
-from runner.store import OUTCOME_RANK, atomic_write_json, batch_files, iter_lines, record_key, record_outcome
+from runner.store import OUTCOME_RANK, atomic_write_json, batch_files, iter_records, record_outcome
 from tools.registry import ALL_TOOL_NAMES
 
 _KNOWN_TOOLS = set(ALL_TOOL_NAMES)
@@ -69,13 +69,8 @@ def merge_run(run_dir: Path, key_to_index: dict[str, int], log=print) -> MergeRe
     winners: dict[str, _Winner] = {}
     stale: set[str] = set()
     for file_no, path in enumerate(files):
-        for offset, line in iter_lines(path):
+        for offset, line, record, key in iter_records(path):
             result.lines += 1
-            try:
-                record = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                record = None
-            key = record_key(record) if isinstance(record, dict) else None
             if key is None:
                 result.unreadable += 1
                 log(f"   ⚠️  {path.name}: skipping an unreadable line at byte {offset}")

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import orjson
 
-from runner.store import OUTCOME_RANK, batch_files, iter_lines, record_key, record_outcome
+from runner.store import OUTCOME_RANK, batch_files, iter_records, record_outcome
 from tools.registry import ALL_TOOL_NAMES
 
 REPORT_NAME = "report.html"
@@ -223,13 +223,8 @@ class _Scan:
             self.read_file(file_no, path)
 
     def read_file(self, file_no: int, path: Path) -> None:
-        for line_no, (offset, line) in enumerate(iter_lines(path), start=1):
+        for line_no, (offset, line, record, key) in enumerate(iter_records(path), start=1):
             self.lines += 1
-            try:
-                record = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                record = None
-            key = record_key(record) if isinstance(record, dict) else None
             if key is None:
                 self.unreadable += 1
                 continue

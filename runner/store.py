@@ -96,6 +96,18 @@ def iter_lines(path: Path, start: int = 0) -> Iterator[tuple[int, bytes]]:
             offset += len(line)
 
 
+def iter_records(path: Path, start: int = 0) -> Iterator[tuple[int, bytes, dict | None, str | None]]:
+    """(offset, line, record, row key) for each committed line; record and key are None when the
+    line is not a JSON object carrying a row key (it is then skipped by every reader)."""
+    for offset, line in iter_lines(path, start):
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            record = None
+        key = record_key(record) if isinstance(record, dict) else None
+        yield offset, line, (record if key is not None else None), key
+
+
 class RunLock:
     """One runner per run directory: `.lock` holds the owner's PID; a dead owner's lock is taken over."""
 
@@ -207,10 +219,8 @@ class RunStore:
         for path in files:
             start = cached_sizes.get(path.name, 0) if trusted else 0
             end = start
-            for offset, line in iter_lines(path, start):
+            for offset, line, record, key in iter_records(path, start):
                 end = offset + len(line)
-                record = _parse(line)
-                key = record_key(record) if record else None
                 if key is None:
                     continue
                 outcome = record_outcome(record)
@@ -317,14 +327,6 @@ class RunStore:
             self._handle.close()
             self._handle = None
         self.save_checkpoint(force=True)
-
-
-def _parse(line: bytes) -> dict | None:
-    try:
-        value = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _last_newline_end(handle, size: int) -> int:

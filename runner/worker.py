@@ -61,7 +61,7 @@ class WorkerRuntime:
         )
 
 
-def _metadata(task: dict, config: RunConfig, started: float, session: SessionModel | None, **extra: Any) -> dict:
+def _metadata(task: dict, config: RunConfig, started: float | None, session: SessionModel | None, **extra: Any) -> dict:
     stats = session.stats if session else None
     return {
         "batch_num": None,  # set by the parent when it commits the row
@@ -71,13 +71,15 @@ def _metadata(task: dict, config: RunConfig, started: float, session: SessionMod
         "id": task.get("id"),
         "run_id": config.tools.run_id,
         "attempt": task["attempt"],
-        "duration_seconds": round(time.monotonic() - started, 3),
+        "duration_seconds": round(time.monotonic() - started, 3) if started is not None else 0.0,
         "usage": stats.as_dict() if stats else {},
         **extra,
     }
 
 
-def _failed(task: dict, config: RunConfig, started: float, session, error: str, error_class: str) -> dict:
+def failed_record(task: dict, config: RunConfig, error: str, error_class: str, *,
+                  started: float | None = None, session: SessionModel | None = None) -> dict:
+    """The record of a failed attempt: never merged into trajectories.jsonl, retried on resume."""
     return {
         "prompt_index": task["index"],
         "failed": True,
@@ -158,15 +160,16 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
             **common,
         }
     except ProviderError as err:
-        return _failed(task, config, started, session, str(err), err.error_class)
+        return failed_record(task, config, str(err), err.error_class, started=started, session=session)
     except SandboxError as err:
-        return _failed(task, config, started, session, f"environment: {err}", "environment")
+        return failed_record(task, config, f"environment: {err}", "environment", started=started, session=session)
     except asyncio.TimeoutError:
-        return _failed(task, config, started, session, f"prompt took longer than {config.prompt_timeout:g}s", "timeout")
+        error = f"prompt took longer than {config.prompt_timeout:g}s"
+        return failed_record(task, config, error, "timeout", started=started, session=session)
     except Exception as err:  # a bug in our code fails this row only, with its traceback
         detail = "".join(traceback.format_exception_only(type(err), err)).strip()
         runtime.log(f"[P{task['index']}] agent error:\n{traceback.format_exc()}")
-        return _failed(task, config, started, session, detail, "agent")
+        return failed_record(task, config, detail, "agent", started=started, session=session)
     finally:
         await _cleanup(ctx, env)
 
