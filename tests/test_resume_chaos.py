@@ -184,3 +184,23 @@ def test_edited_dataset_resumes_only_new_and_changed_rows(tmp_path, model_server
     assert sorted(p.name for p in out.glob("batch_*.jsonl")) == ["batch_0.jsonl", "batch_1.jsonl", "batch_2.jsonl"]
     stats = json.loads((out / "statistics.json").read_text())
     assert stats["stale_rows"] == 1  # the old "Beta." row is kept on disk but not in the dataset
+
+
+def test_second_ctrl_c_quits_at_once_and_loses_nothing(tmp_path, model_server):
+    rows = [{"prompt": f"@latency 1.5\n@tool terminal {{\"command\": \"echo {i}\"}}\nVery slow prompt {i}."}
+            for i in range(40)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _start(dataset, model_server, tmp_path, resume=False, stdout=subprocess.PIPE)
+    time.sleep(5)
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.5)
+    stopped = time.monotonic()
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - stopped < 5  # not the 30 s grace period
+    assert proc.returncode == 130, err
+    assert "Quit at once" in err
+    proc = _start(dataset, model_server, tmp_path, resume=True)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    _check_accounting(tmp_path / "data" / "chaos", rows)
