@@ -65,6 +65,11 @@ def _positive_float(value: Any, flag: str) -> float | None:
     return float(value)
 
 
+def _optional(**values: Any) -> dict:
+    """Only the options the user gave, so the others keep their defaults."""
+    return {k: (v if isinstance(v, list) else str(v)) for k, v in values.items() if v is not None}
+
+
 def _run_name(value: Any) -> str:
     if value is None or value == "" or value is True:
         raise UsageError("--run_name is required")
@@ -156,6 +161,11 @@ def main(
     container_cpus: float = None,
     container_network: str = None,
     vision_model: str = None,
+    moa_reference_models: str = None,
+    moa_aggregator_model: str = None,
+    web_search_backend: str = None,
+    image_backend: str = None,
+    image_model: str = None,
     executor: str = "local",
     ray_address: str = None,
     sessions_per_node: int = None,
@@ -267,6 +277,13 @@ def build_config(**flags: Any):
         base_url=base_url,
         api_key=api_key,
         vision_model=flags["vision_model"],
+        **_optional(
+            moa_reference_models=_as_list(flags["moa_reference_models"], "moa_reference_models"),
+            moa_aggregator_model=flags["moa_aggregator_model"],
+            web_search_backend=flags["web_search_backend"],
+            image_backend=flags["image_backend"],
+            image_model=flags["image_model"],
+        ),
         searxng_url=os.environ.get("SEARXNG_URL"),
         tavily_api_key=os.environ.get("TAVILY_API_KEY"),
         exa_api_key=os.environ.get("EXA_API_KEY"),

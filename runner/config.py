@@ -33,6 +33,7 @@ FINGERPRINT_FIELDS = (
     "tool_schema_version",
     "terminal_env",
     "docker_image",
+    "tool_backends",
 )
 
 
@@ -78,6 +79,14 @@ class RunConfig(BaseModel):
     @property
     def docker_image(self) -> str | None:
         return self.tools.docker_image
+
+    @property
+    def tool_backends(self) -> dict:
+        """The models and services tools answer with: they shape tool results, hence the rows."""
+        t = self.tools
+        return {"vision_model": t.vision_model, "moa_reference_models": t.moa_reference_models,
+                "moa_aggregator_model": t.moa_aggregator_model, "web_search_backend": t.web_search_backend,
+                "image_backend": t.image_backend, "image_model": t.image_model}
 
     @property
     def discard_without_reasoning(self) -> bool:

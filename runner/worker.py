@@ -185,7 +185,8 @@ def worker_main(worker_id: int, config: RunConfig, unavailable: dict, sessions: 
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to send us SIGTERM when the parent dies (the watchdog below covers other systems)."""
+    """Ask Linux to send us SIGTERM when our parent (the fork server, which exits with the runner)
+    dies; the watchdog below covers other systems."""
     try:
         import ctypes
 

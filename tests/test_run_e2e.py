@@ -284,3 +284,17 @@ def test_unknown_tool_rows_are_filtered_at_merge(tmp_path, model_server, remote_
     assert "invalid tool 'hallucinated_tool'" in proc.stdout + proc.stderr
     stats = json.loads((out / "statistics.json").read_text())
     assert stats["outcomes"]["filtered"] == 1 and stats["outcomes"]["ok"] == 1
+
+
+def test_moa_models_come_from_flags_and_enter_the_fingerprint(tmp_path, model_server, remote_args):
+    prompt = '@tool mixture_of_agents {"user_prompt": "Is 91 prime?"}\nAsk the panel.'
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt}])
+    proc = _run(tmp_path, dataset, remote_args, "--distribution=default",
+                "--moa_reference_models=ref/one,ref/two", "--moa_aggregator_model=agg/judge")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    models = {r.body["model"] for r in model_server.requests if r.path.endswith("/chat/completions")}
+    assert {"ref/one", "ref/two", "agg/judge", "test-model"} <= models
+    (row,) = read_jsonl(_files(tmp_path) / "trajectories.jsonl")
+    assert row["tool_stats"]["mixture_of_agents"]["success"] == 1
+    config = json.loads((_files(tmp_path) / "config.json").read_text())
+    assert config["fingerprint_fields"]["tool_backends"]["moa_reference_models"] == ["ref/one", "ref/two"]
