@@ -25,7 +25,7 @@ WORKERS = 8
 def _dataset(rng: random.Random) -> tuple[list[dict], dict[str, int]]:
     rows, failures = [], {}
     for i in range(240):
-        latency = f"@latency {rng.uniform(0.02, 0.12):.3f}\n"
+        latency = f"@latency {rng.uniform(0.05, 0.2):.3f}\n"
         kind = i % 12
         if kind == 0:
             text = f"{latency}@fail 500 1\n@tool terminal {{\"command\": \"echo r{i}\"}}\nServer error once #{i}."
