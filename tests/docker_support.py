@@ -39,6 +39,13 @@ def docker_client():
     return client
 
 
+def ready_client():
+    """A client whose daemon answers, with both test images built (skip, or fail under CI, if not)."""
+    client = docker_client()
+    ensure_test_images(client)
+    return client
+
+
 def ensure_test_images(client) -> None:
     """Build abr-test/busybox:1 and abr-test/busybox-marked:1 unless they exist."""
     from docker.errors import ImageNotFound

@@ -12,16 +12,14 @@ import time
 import pytest
 
 from tests.conftest import REPO, read_jsonl, run_cli, write_jsonl
-from tests.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, docker_client, ensure_test_images
+from tests.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, ready_client
 
 pytestmark = pytest.mark.docker
 
 
 @pytest.fixture(scope="module")
 def client():
-    client = docker_client()
-    ensure_test_images(client)
-    return client
+    return ready_client()
 
 
 def _containers(client, run_name: str) -> list:

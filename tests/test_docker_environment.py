@@ -10,7 +10,7 @@ import uuid
 import pytest
 from docker.errors import NotFound
 
-from tests.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, docker_client, ensure_test_images
+from tests.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, ready_client
 from tools.environments.base import SandboxError
 from tools.environments.docker import DockerConfig, DockerEnvironment
 from tools.environments.factory import create_environment
@@ -22,8 +22,7 @@ pytestmark = pytest.mark.docker
 
 @pytest.fixture(scope="module")
 def client():
-    client = docker_client()
-    ensure_test_images(client)
+    client = ready_client()
     yield client
     client.close()
 
