@@ -50,6 +50,7 @@ class NodeWorker:
         self.unavailable = unavailable
         self.sessions = sessions
         self.runtime = None  # built on first use, inside the actor's event loop
+        self.node_missing: dict[str, str] = {}  # tools the driver offers but this node cannot run
         self.logs: list[str] = []
         self.running: set[asyncio.Task] = set()
         self.images: dict[str, asyncio.Task] = {}  # docker: image -> check/pull on this node, once
@@ -58,8 +59,14 @@ class NodeWorker:
     def _runtime(self):
         if self.runtime is None:
             from runner.worker import WorkerRuntime
+            from tools.registry import unavailable_tools
 
-            self.runtime = WorkerRuntime(self.config, self.unavailable, self.sessions, self._log)
+            # A tool must work on the driver's machine (where the run was checked) and on this node
+            # (Chromium, keys and packages may differ between machines): offer it only if both agree.
+            self.node_missing = {k: v for k, v in unavailable_tools(self.config.tools).items() if k not in self.unavailable}
+            self.runtime = WorkerRuntime(
+                self.config, {**self.unavailable, **self.node_missing}, self.sessions, self._log
+            )
         return self.runtime
 
     def _log(self, text: str) -> None:
@@ -72,7 +79,8 @@ class NodeWorker:
         import ray
 
         self._runtime()
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "host": socket.gethostname()}
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "host": socket.gethostname(),
+                "missing": self.node_missing}
 
     async def run(self, task: dict) -> dict:
         """Run one row: {"record": the record to commit, "logs": verbose lines since the last call}."""
@@ -412,6 +420,9 @@ class RayExecutor:
                 self._lose_actor(actor, err)
                 continue
             actor.ready_ref = None
+            if info.get("missing"):
+                missing = ", ".join(f"{tool} ({why})" for tool, why in sorted(info["missing"].items()))
+                self.log(f"⚠️  Ray node {actor.short} ({info['host']}) cannot offer: {missing}")
             if self.config.verbose:
                 self.log(f"   Ray worker ready on node {actor.short} ({info['host']}, pid {info['pid']})")
 

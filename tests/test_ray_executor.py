@@ -287,3 +287,18 @@ def test_without_ray_the_cli_says_how_to_install_it(tmp_path):
                       "(or pip install ray)"], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "data").exists()  # refused before anything was written
+
+
+def test_a_node_offers_only_the_tools_it_can_run():
+    """A tool the driver could offer but a node cannot (e.g. no Chromium there) is left out on that node."""
+    from runner.config import RunConfig
+    from runner.ray_executor import NodeWorker
+    from tools.settings import ToolSettings
+
+    config = RunConfig(dataset_file="d", run_name="r", batch_size=1, model="mock",
+                       tools=ToolSettings(browser_executable="/nonexistent/chromium"))
+    worker = NodeWorker(config, unavailable={"web_search": "no search backend configured"}, sessions=1)
+    runtime = worker._runtime()
+    assert "browser_navigate" in worker.node_missing and "web_search" not in worker.node_missing
+    assert "browser_navigate" in runtime.unavailable and "web_search" in runtime.unavailable
+    assert "terminal" not in runtime.unavailable
