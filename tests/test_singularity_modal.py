@@ -206,7 +206,9 @@ def test_kill_script_kills_every_marked_process_and_nothing_else(shell):
     try:
         time.sleep(0.3)
         subprocess.run([*argv, "-c", kill_marked_processes_script(token)], check=True, timeout=30)
-        assert marked.wait(5) == -9
+        # The shell is killed itself (-9) or, if its foreground `sleep` dies first, exits 137 (128 + 9):
+        # either way it ended within 5 s; the survivors check below is what proves the kill.
+        assert marked.wait(5) in (-9, 137)
         survivors = [p for p in os.listdir("/proc") if p.isdigit() and _has_marker(p, token)]
         assert survivors == []
         assert bystander.poll() is None
