@@ -267,8 +267,8 @@ def main() -> None:
         chosen = runs[len(runs) // 2]
         if len(runs) > 1:
             print(f"  preset {name}: throughput over {len(runs)} runs: " + ", ".join(f"{r['throughput']:.1f}" for r in runs)
-                  + f"; CPU ms/prompt: " + ", ".join(f"{r['cpu_ms_per_prompt']:.2f}" for r in runs)
-                  + f"; peak MB: " + ", ".join(f"{r['peak_rss_mb']:.0f}" for r in runs) + " (median run reported)")
+                  + "; CPU ms/prompt: " + ", ".join(f"{r['cpu_ms_per_prompt']:.2f}" for r in runs)
+                  + "; peak MB: " + ", ".join(f"{r['peak_rss_mb']:.0f}" for r in runs) + " (median run reported)")
         results.append(chosen)
     if results:
         ok &= report(results)

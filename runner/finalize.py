@@ -36,7 +36,6 @@ class _Winner:
 @dataclass
 class MergeResult:
     files: int = 0
-    lines: int = 0
     kept: int = 0
     completed: int = 0
     partial: int = 0
@@ -70,7 +69,6 @@ def merge_run(run_dir: Path, key_to_index: dict[str, int], log=print) -> MergeRe
     stale: set[str] = set()
     for file_no, path in enumerate(files):
         for offset, line, record, key in iter_records(path):
-            result.lines += 1
             if key is None:
                 result.unreadable += 1
                 log(f"   ⚠️  {path.name}: skipping an unreadable line at byte {offset}")

@@ -236,7 +236,6 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
         stop_now()  # orphaned: the parent died, nobody would commit our results
 
     watchdog = asyncio.create_task(watch_parent())
-    results.put(("ready", worker_id, None))
     while True:
         task = await inbox.get()
         if task is None:
