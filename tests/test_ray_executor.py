@@ -236,7 +236,9 @@ def test_node_death_mid_run_loses_nothing(tmp_path, two_nodes):
     assert proc.returncode == 0, out + err
     rerun = re.search(r"lost \(.*\); (\d+) row\(s\) in flight there will run again", out + err)
     assert rerun and int(rerun.group(1)) >= 1, out + err  # the node died with rows in flight
-    assert requests > 2 * 40  # ... and they really ran twice (two model calls per row otherwise)
+    # Nothing was lost: every row made its two calls. (Not strictly more: a row handed to the dying
+    # node may not have sent its first request yet, e.g. while that node's worker was still starting.)
+    assert requests >= 2 * 40
 
     run_dir = tmp_path / "data" / "r"
     trajectories = read_jsonl(run_dir / "trajectories.jsonl")
