@@ -697,10 +697,30 @@ class BatchRunner:
         signal.signal(signal.SIGTERM, on_signal)
 
 
-def cli() -> None:
+def text_flags() -> set[str]:
+    """main()'s parameters whose value is text: fire must hand them over as typed (a run named
+    1e3 is not the number 1000.0, an API key of digits is not an int)."""
+    import inspect
+
+    return {name for name, p in inspect.signature(main).parameters.items() if p.annotation in ("str", str)}
+
+
+def cli(argv: list[str] | None = None) -> None:
     import fire
 
-    fire.Fire(main)
+    from runner.flags import FlagError, check_argv, format_help, wants_help
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_help(argv):
+        print(format_help())
+        raise SystemExit(EXIT_OK)
+    strings = text_flags()
+    try:
+        check_argv(argv, strings)  # before fire: main() exits before fire would see a leftover flag
+    except FlagError as err:
+        print(f"❌ Error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR) from None
+    fire.Fire(fire.decorators.SetParseFns(**{name: str for name in strings})(main), command=argv)
 
 
 if __name__ == "__main__":
