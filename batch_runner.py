@@ -141,6 +141,7 @@ def main(
     prefill_messages_file: str = None,
     max_samples: int = None,
     # Options the original does not have.
+    tool_choice: str = "auto",
     seed: int = None,
     output_dir: str = "data",
     skip_invalid: bool = False,
@@ -209,7 +210,7 @@ def _report_only(output_dir: Any, run_name: Any, samples: Any) -> int:
 
 def build_config(**flags: Any):
     """Validate the flags into a RunConfig (raises UsageError with one clear line)."""
-    from runner.config import PROVIDER_SORTS, RunConfig
+    from runner.config import PROVIDER_SORTS, TOOL_CHOICES, RunConfig
     from tools.settings import ToolSettings
 
     if not flags["dataset_file"] or flags["dataset_file"] is True:
@@ -234,6 +235,9 @@ def build_config(**flags: Any):
         )
         if value
     }
+    tool_choice = str(flags["tool_choice"] or "auto")
+    if tool_choice not in TOOL_CHOICES:
+        raise UsageError(f"--tool_choice must be one of: {', '.join(TOOL_CHOICES)} (got {flags['tool_choice']!r})")
     model = str(flags["model"])
     base_url = None if model == "mock" else (str(flags["base_url"]) if flags["base_url"] else None)
     api_key = flags["api_key"]
@@ -316,6 +320,7 @@ def build_config(**flags: Any):
         max_tokens=_positive_int(flags["max_tokens"], "max_tokens"),
         reasoning=_reasoning(flags["reasoning_effort"], bool(flags["reasoning_disabled"])),
         provider=provider or None,
+        tool_choice=tool_choice,
         ephemeral_system_prompt=None if ephemeral in (None, "") else str(ephemeral),
         prefill_messages=_prefill(flags["prefill_messages_file"]),
         prefill_messages_file=flags["prefill_messages_file"],

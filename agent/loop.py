@@ -202,9 +202,11 @@ async def run_conversation(
         messages.append(_assistant_message(reply))
         return result(content)
 
-    # Out of turns: one extra, tool-less call for a final summary (not counted in api_calls).
+    # Out of turns: one extra call for a final summary (not counted in api_calls). The tools stay
+    # defined, with tool_choice "none": Anthropic-family providers reject a history of tool calls
+    # whose tools are not defined in the request.
     messages.append({"role": "user", "synthetic": True, "content": SUMMARY_REQUEST})
-    reply = await model.complete(head + [_for_api(m) for m in messages], tools=None)
+    reply = await model.complete(head + [_for_api(m) for m in messages], tools=schemas, tool_choice="none")
     final = _strip_think(reply.content) or "(no final answer)"
     messages.append({"role": "assistant", "content": final, "synthetic": True})
     return result(final, completed=False, hit_turn_limit=True)

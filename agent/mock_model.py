@@ -95,11 +95,12 @@ class MockModelClient:
         *,
         model: str,
         tools: list[dict] | None = None,
+        tool_choice: str | None = None,
         max_tokens: int | None = None,
         extra_body: dict | None = None,
         stats: CallStats | None = None,
     ) -> ModelReply:
-        reply = self._reply(messages, tools or [])
+        reply = self._reply(messages, [] if tool_choice == "none" else tools or [])
         completion_tokens = (len(reply.content or "") + len(reply.reasoning or "")) // 4 + 1
         reply.usage = {
             "prompt_tokens": _estimate_tokens(messages),

@@ -266,6 +266,7 @@ class ModelClient:
         *,
         model: str,
         tools: list[dict] | None = None,
+        tool_choice: str | None = None,
         max_tokens: int | None = None,
         extra_body: dict | None = None,
         stats: CallStats | None = None,
@@ -275,6 +276,8 @@ class ModelClient:
         body: dict[str, Any] = {"model": model, "messages": messages}
         if tools:
             body["tools"] = tools
+            # Always explicit: some servers (llama-cpp-python) offer the tools only when it is sent.
+            body["tool_choice"] = tool_choice or "auto"
         if max_tokens:
             body["max_tokens"] = max_tokens
         if extra_body:
@@ -345,6 +348,7 @@ class SessionModel:
     model: str
     max_tokens: int | None = None
     extra_body: dict | None = None
+    tool_choice: str = "auto"  # sent whenever tools are offered (--tool_choice)
     stats: CallStats = field(default_factory=CallStats)
 
     async def complete(
@@ -353,6 +357,7 @@ class SessionModel:
         *,
         model: str | None = None,
         tools: list[dict] | None = None,
+        tool_choice: str | None = None,
         max_tokens: int | None = None,
         extra_body: dict | None = None,
     ) -> ModelReply:
@@ -360,6 +365,7 @@ class SessionModel:
             messages,
             model=model or self.model,
             tools=tools,
+            tool_choice=tool_choice or self.tool_choice,
             max_tokens=max_tokens if max_tokens is not None else self.max_tokens,
             extra_body=extra_body if extra_body is not None else self.extra_body,
             stats=self.stats,

@@ -17,6 +17,7 @@ from tools.settings import ToolSettings
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
 PROVIDER_SORTS = ("price", "throughput", "latency")
+TOOL_CHOICES = ("auto", "required", "none")
 
 # Options whose change makes new rows incomparable with old ones.
 FINGERPRINT_FIELDS = (
@@ -30,6 +31,7 @@ FINGERPRINT_FIELDS = (
     "prefill_messages",
     "seed",
     "provider",
+    "tool_choice",
     "tool_schema_version",
     "terminal_env",
     "docker_image",
@@ -52,6 +54,7 @@ class RunConfig(BaseModel):
     max_tokens: int | None = None
     reasoning: dict | None = None  # the `reasoning` request field, from the reasoning flags
     provider: dict | None = None  # the OpenRouter `provider` request field
+    tool_choice: str = "auto"  # the `tool_choice` request field, sent whenever tools are offered
     ephemeral_system_prompt: str | None = None
     prefill_messages: list[dict] = Field(default_factory=list)
     prefill_messages_file: str | None = None

@@ -117,7 +117,8 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
         rng = rng_for_row(config.seed, task["key"]) if config.seed is not None else random.Random()
         toolsets = sample_toolsets_from_distribution(config.distribution, rng)
         tools = tools_for_toolsets(toolsets, runtime.unavailable)
-        session = SessionModel(runtime.client, config.model, config.max_tokens, config.extra_body())
+        session = SessionModel(runtime.client, config.model, config.max_tokens, config.extra_body(),
+                               tool_choice=config.tool_choice)
         if any(TOOL_TO_TOOLSET.get(spec.name) in ENV_TOOLSETS for spec in tools):
             from tools.environments.factory import create_environment
 

@@ -92,6 +92,7 @@ class Directives:
     unknown_tool: int = 0
     bad_args: int = 0
     think_only: int = 0
+    needs_tool_choice: bool = False  # like llama-cpp-python: tools are ignored without tool_choice
 
 
 @dataclass
@@ -151,6 +152,8 @@ def parse_directives(text: str) -> Directives:
             d.bad_args = _int(args, 0, 1)
         elif name == "think_only":
             d.think_only = _int(args, 0, 1)
+        elif name == "needs_tool_choice":
+            d.needs_tool_choice = True
     return d
 
 
@@ -340,11 +343,18 @@ def scripted_policy(body: dict, state: ConversationState) -> Reply:
     d = state.directives
     messages = [m for m in body.get("messages") or () if isinstance(m, dict)]
     assistant_turns = [m for m in messages if m.get("role") == "assistant"]
-    offered = {
-        (t.get("function") or {}).get("name")
-        for t in body.get("tools") or ()
-        if isinstance(t, dict)
-    }
+    if not body.get("tools") and any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        # As Anthropic-family providers do: a tool history needs its tool definitions.
+        return error_reply(400, "messages contain tool calls but the request defines no tools")
+    tool_choice = body.get("tool_choice")
+    if tool_choice == "none" or (d.needs_tool_choice and tool_choice is None):
+        offered: set = set()  # the model is not offered any tool
+    else:
+        offered = {
+            (t.get("function") or {}).get("name")
+            for t in body.get("tools") or ()
+            if isinstance(t, dict)
+        }
     script = [(name, args) for name, args in d.tools if name in offered]
     # Script position = assistant turns that made "good" tool calls so far, so
     # unknown-tool / bad-args turns (kept in history or retried) don't advance it.
