@@ -368,7 +368,8 @@ class BatchRunner:
 
     def run(self) -> int:
         from runner.dataset import DatasetError, scan_dataset
-        from runner.store import RunLock, RunStore
+        from runner.lock import RunLock, RunLockBusy
+        from runner.store import RunStore
         from tools.registry import tool_schema_version, unavailable_tools
 
         config = self.config
@@ -391,7 +392,7 @@ class BatchRunner:
             lock = RunLock(self.run_dir)
             try:
                 lock.acquire(self.log)
-            except RuntimeError as err:
+            except RunLockBusy as err:
                 raise UsageError(str(err)) from None
             try:
                 self._prepare_run_dir()

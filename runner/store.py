@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -106,57 +105,6 @@ def iter_records(path: Path, start: int = 0) -> Iterator[tuple[int, bytes, dict 
             record = None
         key = record_key(record) if isinstance(record, dict) else None
         yield offset, line, (record if key is not None else None), key
-
-
-class RunLock:
-    """One runner per run directory: `.lock` holds the owner's PID; a dead owner's lock is taken over."""
-
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / ".lock"
-        self.held = False
-
-    def acquire(self, log=print) -> None:
-        host = socket.gethostname()
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self._owner()
-                if owner and owner[1] == host and _pid_alive(owner[0]):
-                    raise RuntimeError(
-                        f"{self.path.parent} is in use by another batch_runner (PID {owner[0]}); "
-                        "wait for it to finish or stop it first"
-                    ) from None
-                log(f"ℹ️  Taking over a stale lock left by PID {owner[0] if owner else '?'} (no longer running)")
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as handle:
-                handle.write(f"{os.getpid()} {host}\n")
-            self.held = True
-            return
-        raise RuntimeError(f"could not take the lock {self.path}")
-
-    def release(self) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
-
-    def _owner(self) -> tuple[int, str] | None:
-        try:
-            pid, host = self.path.read_text().split()[:2]
-            return int(pid), host
-        except (OSError, ValueError):
-            return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RunStore:

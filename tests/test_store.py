@@ -1,15 +1,10 @@
-"""Unit tests of the run directory: commits, torn tails, the checkpoint cache, the lock."""
+"""Unit tests of the run directory: commits, torn tails, the checkpoint cache."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-import pytest
-
-from runner.store import RunLock, RunStore, batch_files, iter_lines
+from runner.store import RunStore, batch_files, iter_lines
 
 
 def _record(key: str, index: int, outcome: str = "ok") -> dict:
@@ -106,20 +101,3 @@ def test_checkpoint_of_another_run_is_ignored(tmp_path):
     store = RunStore(tmp_path, "r", batch_size=10)
     store.load()
     assert not store.is_committed("x")
-
-
-def test_lock_refuses_live_owner_and_takes_over_dead_one(tmp_path):
-    lock = RunLock(tmp_path)
-    lock.acquire()
-    with pytest.raises(RuntimeError, match="in use by another batch_runner"):
-        RunLock(tmp_path).acquire()
-    lock.release()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    host = os.uname().nodename
-    (tmp_path / ".lock").write_text(f"{dead.stdout.strip()} {host}\n")
-    messages = []
-    taker = RunLock(tmp_path)
-    taker.acquire(log=messages.append)
-    assert "stale lock" in messages[0]
-    assert (tmp_path / ".lock").read_text().split()[0] == str(os.getpid())
-    taker.release()

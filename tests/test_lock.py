@@ -1,0 +1,100 @@
+"""The run lock through the real CLI: two runners on one run directory, a live run of another
+host on a shared disk, a stale one, and a record naming our own PID after a container restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tests.conftest import REPO, read_jsonl, run_cli, write_jsonl
+
+
+def _args(dataset, server, *extra):
+    return [f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--distribution=terminal_only",
+            f"--base_url={server.base_url}", "--model=m", "--api_key=x", "--num_workers=2", *extra]
+
+
+def _rows(n: int, latency: float = 0.0) -> list[dict]:
+    return [{"prompt": f"@latency {latency}\nLock row {i}."} for i in range(n)]
+
+
+def _record(run_dir, **fields):
+    from runner.lock import machine_id
+
+    host, boot_id = machine_id()
+    record = {"held": True, "host": host, "boot_id": boot_id, "pid": os.getpid(), "refreshed_at": time.time(),
+              "lease_seconds": 60, **fields}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ".lock").write_text(json.dumps(record) + "\n")
+
+
+def _paid_rows(server, n: int) -> list[int]:
+    return [len(server.requests_for(f"@latency 0.3\nLock row {i}.")) for i in range(n)]
+
+
+def test_two_runners_on_one_run_dir_never_both_run(model_server, tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows(12, latency=0.3))
+    cmd = [sys.executable, str(REPO / "batch_runner.py"), *_args(dataset, model_server, "--resume")]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "data" / "r").glob("config.json")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second = run_cli(_args(dataset, model_server, "--resume"), tmp_path)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert second.returncode == 1
+    assert "in use by another batch_runner" in second.stderr and f"PID {first.pid}" in second.stderr
+    assert _paid_rows(model_server, 12) == [1] * 12  # every row paid exactly once
+    assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == 12
+    # The lock file stays (deleting it would let two runners lock two different files), released.
+    assert json.loads((tmp_path / "data" / "r" / ".lock").read_text())["held"] is False
+
+
+def test_live_run_of_another_host_is_refused_and_a_stale_one_taken_over(model_server, tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows(3))
+    run_dir = tmp_path / "data" / "r"
+    _record(run_dir, host="other-host", boot_id="another-boot", pid=4242, refreshed_at=time.time() - 5)
+    proc = run_cli(_args(dataset, model_server), tmp_path)
+    assert proc.returncode == 1
+    assert "PID 4242 on host 'other-host'" in proc.stderr and "in use by another batch_runner" in proc.stderr
+    assert not model_server.requests_for("Lock row")  # nothing was paid for
+
+    _record(run_dir, host="other-host", boot_id="another-boot", pid=4242, refreshed_at=time.time() - 600)
+    proc = run_cli(_args(dataset, model_server), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "stale lock of PID 4242 on host 'other-host'" in proc.stdout
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 3
+
+
+def test_record_naming_our_own_pid_without_the_kernel_lock_is_taken_over(model_server, tmp_path):
+    """A container restarted after a kill: its runner is PID 1 again, and so is the record's."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows(2))
+    run_dir = tmp_path / "data" / "r"
+    _record(run_dir, pid=1)
+    proc = run_cli(_args(dataset, model_server), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Taking over the lock of a runner that is gone (PID 1" in proc.stdout
+
+
+def test_lock_record_is_refreshed_while_held_and_the_kernel_lock_decides(tmp_path):
+    from runner.lock import RunLock
+
+    lock = RunLock(tmp_path, refresh=0.2)
+    lock.acquire(log=lambda s: None)
+    try:
+        first = json.loads((tmp_path / ".lock").read_text())
+        assert first["held"] and first["pid"] == os.getpid()
+        time.sleep(0.7)
+        assert json.loads((tmp_path / ".lock").read_text())["refreshed_at"] > first["refreshed_at"]
+        # Another process finds the kernel lock held, whatever the record says.
+        probe = subprocess.run(
+            [sys.executable, "-c", "import sys; from runner.lock import RunLock; RunLock(sys.argv[1]).acquire()", str(tmp_path)],
+            cwd=REPO, capture_output=True, text=True,
+        )
+        assert probe.returncode != 0 and "in use by another batch_runner" in probe.stderr
+    finally:
+        lock.release()
