@@ -56,6 +56,7 @@ FLAGS: list[Flag] = _flags(
     ("max_samples", "all", "Only the first N valid rows."),
 ) + _flags(
     NEW,
+    ("tool_choice", "auto", "auto, required or none: tool_choice sent with every request that offers tools."),
     ("seed", "", "Reproducible toolset sampling (each row's sample depends on the seed and the row)."),
     ("output_dir", "data", "Parent of the run folder."),
     ("skip_invalid", "off", "Run the valid rows of a dataset that has invalid lines."),
