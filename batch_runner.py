@@ -380,7 +380,7 @@ class BatchRunner:
         executor.start()
         try:
             try:
-                scan = scan_dataset(config.dataset_file, config.max_samples)
+                scan = scan_dataset(config.dataset_file, config.max_samples, require_image=self._rows_need_image())
             except DatasetError as err:
                 raise UsageError(str(err)) from None
             if scan.errors:
@@ -580,7 +580,7 @@ class BatchRunner:
         """Rows still to run, as tasks; rows whose image cannot be had become failed records."""
         from runner.dataset import iter_rows
 
-        for row in iter_rows(self.config.dataset_file, self.config.max_samples):
+        for row in iter_rows(self.config.dataset_file, self.config.max_samples, require_image=self._rows_need_image()):
             if store.is_committed(row.key):
                 continue
             attempt = store.failures(row.key) + 1
@@ -595,6 +595,10 @@ class BatchRunner:
                 "task_id": f"{self.config.tools.run_id}-p{row.index}-a{attempt}",
                 "image_error": failed_images.get(row.image or self.config.tools.docker_image or ""),
             }
+
+    def _rows_need_image(self) -> bool:
+        """Under docker without --docker_image, a row naming no image is invalid (found before any cost)."""
+        return self.config.tools.terminal_env == "docker" and not self.config.tools.docker_image
 
     def _prepare_images(self, scan) -> dict[str, str]:
         """Check (and pull) every distinct image once, before any model call."""

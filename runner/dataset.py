@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import orjson
-from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError, field_validator
 
 
 class DatasetError(Exception):
@@ -32,7 +32,7 @@ class DatasetRow(BaseModel):
     image: StrictStr | None = None
     docker_image: StrictStr | None = None
     cwd: StrictStr | None = None
-    id: StrictStr | int | None = None
+    id: StrictStr | StrictInt | None = None  # an integer id is carried as text ("7")
 
     @field_validator("prompt")
     @classmethod
@@ -65,14 +65,23 @@ class DatasetScan:
         return len(self.key_to_index)
 
 
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def json_type(value: Any) -> str:
+    """What the user wrote, in JSON's words (null, not NoneType)."""
+    return "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
+
+
 def _describe(error: ValidationError) -> str:
     first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "row"
+    where = str(first["loc"][0]) if first["loc"] else "row"
     kind = first["type"]
     if kind == "missing":
         return f"missing '{where}' field"
-    if kind in ("string_type", "int_type") or kind.endswith("_type"):
-        return f"'{where}' must be a string, got {type(first.get('input')).__name__}"
+    if kind.endswith("_type"):
+        wanted = "a string or an integer" if where == "id" else "a string"
+        return f"'{where}' must be {wanted}, got {json_type(first.get('input'))}"
     return f"'{where}' {first['msg'].removeprefix('Value error, ')}"
 
 
@@ -95,7 +104,7 @@ def _explain(raw: bytes) -> str:
     except orjson.JSONDecodeError as err:
         return f"invalid JSON ({err})"
     if not isinstance(value, dict):
-        return f"not a JSON object (got {type(value).__name__})"
+        return f"not a JSON object (got {json_type(value)})"
     try:
         DatasetRow.model_validate(value)
     except ValidationError as err:
@@ -108,20 +117,31 @@ def content_hash(prompt: str, image: str | None, cwd: str | None) -> str:
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
+_BOM = b"\xef\xbb\xbf"
+NO_IMAGE = "no 'image' (or 'docker_image') field: --terminal_env=docker needs one per row, or pass --docker_image"
+
+
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
     with open(path, "rb") as handle:
         for line_no, raw in enumerate(handle, start=1):
+            if line_no == 1:
+                raw = raw.removeprefix(_BOM)  # editors on Windows start UTF-8 files with one
             raw = raw.strip()
             if raw:
                 yield line_no, raw
 
 
-def _walk(path: Path, max_samples: int | None) -> Iterator[tuple[int, bytes, DatasetRow | None, str | None, str | None]]:
-    """(line_no, raw, row, error, key) for every non-blank line up to max_samples valid rows."""
+def _walk(
+    path: Path, max_samples: int | None, require_image: bool = False
+) -> Iterator[tuple[int, bytes, DatasetRow | None, str | None, str | None]]:
+    """(line_no, raw, row, error, key) for every non-blank line up to max_samples valid rows.
+    With `require_image`, a row that names no image is invalid (it could only fail later)."""
     occurrences: dict[str, int] = {}
     valid = 0
     for line_no, raw in _lines(path):
         row, error = _parse_line(raw)
+        if row is not None and require_image and not (row.image or row.docker_image):
+            row, error = None, NO_IMAGE
         key = None
         if row is not None:
             if max_samples and valid >= max_samples:
@@ -134,13 +154,14 @@ def _walk(path: Path, max_samples: int | None) -> Iterator[tuple[int, bytes, Dat
         yield line_no, raw, row, error, key
 
 
-def scan_dataset(path: str | Path, max_samples: int | None = None) -> DatasetScan:
-    """Validate the whole file. Raises DatasetError if it is missing or has no valid row."""
+def scan_dataset(path: str | Path, max_samples: int | None = None, require_image: bool = False) -> DatasetScan:
+    """Validate the whole file. Raises DatasetError if it is missing or has no valid row.
+    `require_image`: every row must name its container image (docker, no --docker_image)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"Dataset file not found: {path}")
     scan = DatasetScan(path=path)
-    for line_no, _raw, row, error, key in _walk(path, max_samples):
+    for line_no, _raw, row, error, key in _walk(path, max_samples, require_image):
         if row is None:
             scan.errors.append((line_no, error or "invalid"))
             continue
@@ -153,10 +174,10 @@ def scan_dataset(path: str | Path, max_samples: int | None = None) -> DatasetSca
     return scan
 
 
-def iter_rows(path: str | Path, max_samples: int | None = None) -> Iterator[Row]:
+def iter_rows(path: str | Path, max_samples: int | None = None, require_image: bool = False) -> Iterator[Row]:
     """The valid rows in file order (invalid lines are left out: scan_dataset reported them)."""
     index = 0
-    for line_no, _raw, row, _error, key in _walk(Path(path), max_samples):
+    for line_no, _raw, row, _error, key in _walk(Path(path), max_samples, require_image):
         if row is None:
             continue
         yield Row(

@@ -109,30 +109,36 @@ def test_invalid_lines_are_all_named_and_nothing_runs(tmp_path):
         handle.write(b'{"prompt": "caf\xe9"}\n')  # 9 invalid UTF-8
         handle.write(b'\n')  # 10 blank: ignored
         handle.write(b'{"prompt": "also fine", "id": 7}\n')  # 11
+        handle.write(b'{"prompt": null}\n')  # 12 null prompt
+        handle.write(b'{"prompt": "ok", "id": true}\n')  # 13 an id that is neither text nor an integer
+        handle.write(b'{"prompt": "ok", "id": 1.5}\n')  # 14
     proc = run_cli(["--dataset_file=bad.jsonl", "--run_name=r", *_mock_run(tmp_path)], tmp_path)
     assert proc.returncode == 1
     err = proc.stderr
     expected = {
         2: "invalid JSON",
-        3: "not a JSON object (got list)",
+        3: "not a JSON object (got an array)",
         4: "missing 'prompt' field",
         5: "'prompt' must not be empty",
-        6: "'prompt' must be a string, got int",
+        6: "'prompt' must be a string, got a number",
         7: "'image' must be a string",
         8: "'cwd' must be a string",
         9: "invalid UTF-8",
+        12: "'prompt' must be a string, got null",
+        13: "'id' must be a string or an integer, got a boolean",
+        14: "'id' must be a string or an integer, got a number",
     }
     for line_no, reason in expected.items():
         matching = [line for line in err.splitlines() if line.strip().startswith(f"bad.jsonl:{line_no}:")]
         assert matching and reason in matching[0], (line_no, err)
     assert "bad.jsonl:1:" not in err and "bad.jsonl:10:" not in err and "bad.jsonl:11:" not in err
-    assert "8 invalid line(s)" in err and "--skip_invalid" in err
+    assert "11 invalid line(s)" in err and "--skip_invalid" in err
     assert not (tmp_path / "data" / "r").exists() or not list((tmp_path / "data" / "r").glob("batch_*"))
 
     proc = run_cli(["--dataset_file=bad.jsonl", "--run_name=r", "--skip_invalid", "--distribution=minimal",
                     *_mock_run(tmp_path)], tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "Skipping 8 invalid line(s)" in proc.stdout
+    assert "Skipping 11 invalid line(s)" in proc.stdout
     rows = (tmp_path / "data" / "r" / "trajectories.jsonl").read_text().splitlines()
     assert len(rows) == 2
 
@@ -154,3 +160,20 @@ def test_rerun_without_resume_is_refused(tmp_path):
 def test_repo_has_example_dataset():
     lines = (REPO / "data" / "example_prompts.jsonl").read_text().splitlines()
     assert len(lines) >= 10
+
+
+def test_byte_order_mark_at_the_start_is_accepted(tmp_path):
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "Explain tides."}\r\n{"prompt": "And waves?"}\r\n')
+    proc = run_cli(["--dataset_file=bom.jsonl", "--run_name=r", "--distribution=minimal", *_mock_run(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert len((tmp_path / "data" / "r" / "trajectories.jsonl").read_text().splitlines()) == 2
+
+
+def test_docker_row_without_image_is_refused_before_anything_runs(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "image": "busybox:1"}, {"prompt": "b"}])
+    proc = run_cli([f"--dataset_file={data}", "--run_name=r", "--terminal_env=docker", *_mock_run(tmp_path)], tmp_path)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "d.jsonl:2: no 'image' (or 'docker_image') field" in proc.stderr
+    assert "d.jsonl:1:" not in proc.stderr
+    assert "Checking" not in proc.stdout  # no image was looked at, let alone pulled
+    assert not (tmp_path / "data" / "r").exists() or not list((tmp_path / "data" / "r").glob("batch_*"))
