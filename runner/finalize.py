@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 
-from runner.store import OUTCOME_RANK, atomic_write_json, batch_files, iter_records, record_outcome
+from runner.store import OUTCOME_RANK, atomic_write_json, batch_files, iter_records, keep_mode, record_outcome
 from tools.registry import ALL_TOOL_NAMES
 
 _KNOWN_TOOLS = set(ALL_TOOL_NAMES)
@@ -123,6 +123,7 @@ def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None
                 out.write(line)  # committed lines were serialised by the store: copy them as they are
             out.flush()
             os.fsync(out.fileno())
+        keep_mode(tmp, target)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

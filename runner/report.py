@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import orjson
 
-from runner.store import OUTCOME_RANK, batch_files, iter_records, record_outcome
+from runner.store import OUTCOME_RANK, batch_files, iter_records, keep_mode, record_outcome
 from tools.registry import ALL_TOOL_NAMES
 
 REPORT_NAME = "report.html"
@@ -667,7 +667,7 @@ def write_report(run_dir: Path, *, max_full_conversations: int = 500, log=print)
             out.write(template[position:])
             out.flush()
             os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)
+        keep_mode(tmp, target)  # private like every file of the run (it embeds the conversations)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -26,8 +26,20 @@ BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
 OUTCOME_RANK = {"failed": 0, "discarded": 1, "ok": 2}  # a later attempt can only improve a row
 
 
+def private_opener(path: str, flags: int) -> int:
+    """`open(..., opener=private_opener)`: a file the runner creates is readable by its owner only
+    (rows may hold whatever the prompts and tools saw); an existing file keeps its mode."""
+    return os.open(path, flags, 0o600)
+
+
+def keep_mode(tmp: str | Path, target: Path) -> None:
+    """A replacement written to a private temp file takes the mode of the file it replaces."""
+    if target.exists():
+        os.chmod(tmp, target.stat().st_mode & 0o777)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same folder, fsync, then rename over the target."""
+    """Write via a private temp file in the same folder, fsync, then rename over the target."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}_", suffix=".tmp", dir=path.parent)
     try:
@@ -35,8 +47,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o777)
+        keep_mode(tmp, path)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -140,7 +151,7 @@ class RunStore:
                 end = _last_newline_end(handle, size)
                 handle.seek(end)
                 torn = handle.read()
-                with open(path.with_name(path.name + ".torn"), "ab") as side:
+                with open(path.with_name(path.name + ".torn"), "ab", opener=private_opener) as side:
                     side.write(torn + b"\n")
                     side.flush()
                     os.fsync(side.fileno())
@@ -245,7 +256,7 @@ class RunStore:
             self._handle.close()
             self._batch_num += 1
         path = self.run_dir / f"batch_{self._batch_num}.jsonl"
-        self._handle = open(path, "ab")
+        self._handle = open(path, "ab", opener=private_opener)
         self._lines_in_batch = 0
         _fsync_dir(self.run_dir)  # the new file's name must survive a crash too
 

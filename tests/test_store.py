@@ -101,3 +101,28 @@ def test_checkpoint_of_another_run_is_ignored(tmp_path):
     store = RunStore(tmp_path, "r", batch_size=10)
     store.load()
     assert not store.is_committed("x")
+
+
+def test_every_file_the_runner_creates_is_private_and_existing_modes_are_kept(tmp_path):
+    """Through the CLI: batch files, merged outputs and the report are 0600; a mode the user set stays."""
+    import stat
+
+    from tests.conftest import run_cli, write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Explain tides."}, {"prompt": "And waves?"}])
+    args = [f"--dataset_file={data}", "--batch_size=1", "--run_name=r", "--model=mock", "--distribution=minimal"]
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    run_dir = tmp_path / "data" / "r"
+    files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
+    for name in ("batch_0.jsonl", "batch_1.jsonl", "trajectories.jsonl", "statistics.json", "checkpoint.json",
+                 "config.json", "report.html"):
+        assert files.pop(name) == 0o600, name
+    assert all(mode == 0o600 for mode in files.values()), files
+
+    for name in ("batch_0.jsonl", "trajectories.jsonl", "report.html", "statistics.json"):
+        (run_dir / name).chmod(0o640)
+    proc = run_cli(args + ["--resume"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("batch_0.jsonl", "trajectories.jsonl", "report.html", "statistics.json"):
+        assert stat.S_IMODE((run_dir / name).stat().st_mode) == 0o640, name
