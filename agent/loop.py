@@ -1,9 +1,12 @@
 """The tool-calling loop of one agent session (reference §9.2), asynchronous.
 
-Messages kept in `ConversationResult.messages` are the conversation as it will be saved: the
-system prompt, the ephemeral system prompt and the prefill messages are added at call time only.
-Notes the loop itself adds (the turn-limit summary request, the invalid-JSON repair note) are user
-messages marked `"synthetic": True`, so the trajectory writer never saves them as human turns.
+Messages kept in `ConversationResult.messages` are the conversation as the model saw it, minus
+what is added at call time only (the system prompt, the ephemeral system prompt and the prefill
+messages). Notes the loop itself tells the model (the turn-limit summary request, the invalid-JSON
+repair note) are user messages marked `"loop_note": True`: the trajectory writer leaves them out of
+the conversation, and `ConversationResult.loop_notes` says where they were. Replies the loop drops
+(retried silently: an unknown tool, invalid JSON arguments, thinking without an answer, an empty
+reply) are listed in `ConversationResult.dropped_replies`, so every model call is accounted for.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.types import ModelReply, ProviderError
+from agent.trajectory import conversation_length
 from tools.environments.base import SandboxError
 from tools.registry import ToolContext, ToolSpec
 
@@ -51,6 +55,8 @@ class ConversationResult:
     partial: bool = False
     error: str | None = None  # why the run stopped early (partial), if it did
     hit_turn_limit: bool = False
+    dropped_replies: list[dict] = field(default_factory=list)  # [{"call": n, "reason": ...}], not saved as turns
+    loop_notes: list[dict] = field(default_factory=list)  # [{"after_turn": i, "note": ...}], sent, not saved
 
 
 def _system_prompt(config: LoopConfig) -> str:
@@ -71,8 +77,10 @@ def _for_api(message: dict) -> dict:
     return wire
 
 
-def _strip_think(text: str | None) -> str:
-    return _THINK_BLOCK.sub("", text or "").strip()
+def _answer_text(text: str | None) -> str:
+    """The content without its reasoning blocks (<think> or a closed scratchpad)."""
+    text = (text or "").replace(_SCRATCHPAD_OPEN, "<think>").replace(_SCRATCHPAD_CLOSE, "</think>")
+    return _THINK_BLOCK.sub("", text).strip()
 
 
 def _assistant_message(reply: ModelReply, tool_calls: list[dict] | None = None) -> dict:
@@ -92,7 +100,9 @@ def _parse_arguments(raw: Any) -> tuple[dict | None, str | None]:
     if raw is None or not str(raw).strip():
         return {}, None
     try:
-        value = json.loads(raw)
+        # strict=False: raw control characters inside strings (a literal newline in a command) are
+        # common in real models' arguments and unambiguous, so they are accepted, not retried.
+        value = json.loads(raw, strict=False)
     except json.JSONDecodeError as err:
         return None, str(err)
     if not isinstance(value, dict):
@@ -128,58 +138,64 @@ async def run_conversation(
     schemas = [spec.openai_schema() for spec in tools] or None
     head = [{"role": "system", "content": _system_prompt(config)}, *config.prefill_messages]
     messages: list[dict] = [{"role": "user", "content": prompt}]
+    dropped: list[dict] = []  # replies not kept in the conversation: {"call": n, "reason": ...}
+    notes: list[dict] = []  # what the loop told the model itself: {"after_turn": i, "note": ...}
     api_calls = 0
-    invalid_tool = bad_json = think_only = scratchpad = 0
+    retries = {"unknown_tool": 0, "bad_json": 0, "think_only": 0, "empty": 0, "scratchpad": 0}
 
     def result(final: str | None, **kw: Any) -> ConversationResult:
-        return ConversationResult(messages, final, api_calls, completed=kw.pop("completed", final is not None), **kw)
+        return ConversationResult(messages, final, api_calls, completed=kw.pop("completed", final is not None),
+                                  dropped_replies=dropped, loop_notes=notes, **kw)
 
     def partial(reason: str) -> ConversationResult:
         return result(None, completed=False, partial=True, error=reason)
+
+    def drop(kind: str, reason: str) -> bool:
+        """Record a dropped reply; True while this kind of bad reply may still be retried silently."""
+        dropped.append({"call": api_calls, "reason": reason})
+        retries[kind] += 1
+        return retries[kind] <= MAX_SILENT_RETRIES
+
+    def tell(note: str) -> None:
+        notes.append({"after_turn": conversation_length(messages) - 1, "note": note})
+        messages.append({"role": "user", "loop_note": True, "content": note})
 
     while api_calls < config.max_iterations:
         api_calls += 1
         reply = await model.complete(head + [_for_api(m) for m in messages], tools=schemas)
 
         if reply.finish_reason == "length":
+            dropped.append({"call": api_calls, "reason": "cut at the output length limit"})
             if not any(m["role"] == "assistant" for m in messages):
                 # Nothing worth saving: fail the row (retried on resume) instead of keeping an empty one.
-                raise ProviderError("the first response was cut at the output length limit (max_tokens too small?)")
+                raise ProviderError("the first response was cut at the output length limit (--max_tokens too small?)",
+                                    "truncated")
             return partial("response truncated at the output length limit")
 
         content = reply.content or ""
         if _SCRATCHPAD_OPEN in content and _SCRATCHPAD_CLOSE not in content:
-            scratchpad += 1
-            if scratchpad > MAX_SILENT_RETRIES:
+            if not drop("scratchpad", f"unclosed {_SCRATCHPAD_OPEN}"):
                 return partial(f"unclosed {_SCRATCHPAD_OPEN} after {MAX_SILENT_RETRIES} retries")
             continue
 
         if reply.tool_calls:
             unknown = [c["function"]["name"] for c in reply.tool_calls if c["function"]["name"] not in by_name]
             if unknown:
-                invalid_tool += 1
-                if invalid_tool > MAX_SILENT_RETRIES:
+                if not drop("unknown_tool", f"called a tool it was not offered: {unknown[0]}"):
                     return partial(f"model called a tool it was not offered: {unknown[0]}")
                 continue
             parsed = [_parse_arguments(c["function"]["arguments"]) for c in reply.tool_calls]
             broken = [(c, err) for c, (_, err) in zip(reply.tool_calls, parsed) if err]
             if broken:
-                bad_json += 1
-                if bad_json > MAX_SILENT_RETRIES:
-                    call, err = broken[0]
-                    messages.append(
-                        {
-                            "role": "user",
-                            "synthetic": True,
-                            "content": (
-                                f"The arguments of your call to '{call['function']['name']}' were not valid JSON "
-                                f"({err}). Call it again with a JSON object as arguments (use {{}} for no arguments)."
-                            ),
-                        }
+                call, err = broken[0]
+                if not drop("bad_json", f"invalid JSON arguments for '{call['function']['name']}': {err}"):
+                    tell(
+                        f"The arguments of your call to '{call['function']['name']}' were not valid JSON "
+                        f"({err}). Call it again with a JSON object as arguments (use {{}} for no arguments)."
                     )
-                    bad_json = 0
+                    retries["bad_json"] = 0
                 continue
-            invalid_tool = bad_json = 0
+            retries["unknown_tool"] = retries["bad_json"] = 0
             calls = [
                 {"id": c["id"] or f"call_{api_calls}_{i}", "type": "function",
                  "function": {"name": c["function"]["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
@@ -192,11 +208,16 @@ async def run_conversation(
                 messages.append({"role": "tool", "tool_call_id": call["id"], "name": spec.name, "content": output})
             continue
 
-        if not _strip_think(content.replace(_SCRATCHPAD_OPEN, "<think>").replace(_SCRATCHPAD_CLOSE, "</think>")):
-            think_only += 1
-            if think_only > MAX_SILENT_RETRIES:
-                messages.append(_assistant_message(reply))
-                return partial(f"the model gave no answer beyond thinking after {MAX_SILENT_RETRIES} retries")
+        if not _answer_text(content):
+            if reply.reasoning or content.strip():  # it thought (natively, inline or in a scratchpad)
+                if not drop("think_only", "no answer beyond thinking"):
+                    messages.append(_assistant_message(reply))
+                    return partial(f"the model gave no answer beyond thinking after {MAX_SILENT_RETRIES} retries")
+                continue
+            if not drop("empty", "empty reply (no content, no tool call)"):
+                if not any(m["role"] == "assistant" for m in messages):
+                    raise ProviderError(f"the model sent only empty replies ({retries['empty']} in a row, no content, no tool call)")
+                return partial(f"the model sent an empty reply after {MAX_SILENT_RETRIES} retries")
             continue
 
         messages.append(_assistant_message(reply))
@@ -205,8 +226,13 @@ async def run_conversation(
     # Out of turns: one extra call for a final summary (not counted in api_calls). The tools stay
     # defined, with tool_choice "none": Anthropic-family providers reject a history of tool calls
     # whose tools are not defined in the request.
-    messages.append({"role": "user", "synthetic": True, "content": SUMMARY_REQUEST})
+    tell(SUMMARY_REQUEST)
     reply = await model.complete(head + [_for_api(m) for m in messages], tools=schemas, tool_choice="none")
-    final = _strip_think(reply.content) or "(no final answer)"
-    messages.append({"role": "assistant", "content": final, "synthetic": True})
+    final = _answer_text(reply.content) or None
+    if final is None:
+        dropped.append({"call": api_calls + 1, "reason": "turn-limit summary: no answer in the reply"})
+    else:
+        summary = _assistant_message(reply)  # any tool call in it is not kept: none may be made now
+        summary.update(content=final, summary=True)
+        messages.append(summary)
     return result(final, completed=False, hit_turn_limit=True)

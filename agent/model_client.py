@@ -190,6 +190,20 @@ def extract_reasoning(message: dict) -> tuple[str | None, list | None]:
     return ("\n\n".join(pieces) if pieces else None), (details if isinstance(details, list) else None)
 
 
+_INLINE_THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.DOTALL)
+
+
+def split_inline_think(content: str | None) -> tuple[str | None, str | None]:
+    """(reasoning, rest) of a content that starts with a <think>...</think> block, as many servers
+    send reasoning (llama.cpp, vLLM without a reasoning parser); (None, content) otherwise."""
+    if not content:
+        return None, content
+    match = _INLINE_THINK.match(content)
+    if not match:
+        return None, content
+    return match.group(1).strip() or None, content[match.end():] or None
+
+
 def reply_from_completion(completion: Any) -> ModelReply:
     """Normalise a chat-completion body (a dict, as the endpoint sent it)."""
     choices = completion.get("choices") if isinstance(completion, dict) else None
@@ -211,8 +225,12 @@ def reply_from_completion(completion: Any) -> ModelReply:
             }
         )
     content = message.get("content")
+    content = content if isinstance(content, str) or content is None else str(content)
+    inline, content = split_inline_think(content)
+    if inline and inline != reasoning:
+        reasoning = f"{reasoning}\n\n{inline}" if reasoning else inline
     return ModelReply(
-        content=content if isinstance(content, str) or content is None else str(content),
+        content=content,
         reasoning=reasoning,
         tool_calls=tool_calls,
         finish_reason=choice.get("finish_reason"),

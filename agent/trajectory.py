@@ -6,8 +6,10 @@ Format (reference §9.7, with its weaknesses fixed):
 - `gpt` turns: `<think>` reasoning, the text, then one `<tool_call>` block per call;
 - `tool` turns: the consecutive tool results after a call turn, each a `<tool_response>` whose
   `name` is found **by tool_call_id** (the original paired them by position);
-- notes the loop wrote itself (turn-limit summary request, JSON-repair note) become `system`
-  turns, never `human` ones, so a model trained on the data never learns to expect them from a user.
+- notes the loop told the model itself (turn-limit summary request, JSON-repair note) are not
+  turns at all (they go to `metadata.loop_notes`): a conversation is system, human, then gpt and
+  tool turns only, which every chat template accepts and a model trained on it never learns to
+  expect such notes from a user.
 """
 
 from __future__ import annotations
@@ -110,9 +112,24 @@ def to_sharegpt(messages: list[dict], prompt: str, tools: list[ToolSpec]) -> lis
             for call in message.get("tool_calls") or []:
                 names_by_id[call.get("id") or ""] = call["function"]["name"]
             turns.append({"from": "gpt", "value": _gpt_value(message)})
-        elif role == "user":
-            turns.append({"from": "system" if message.get("synthetic") else "human", "value": message.get("content") or ""})
+        elif role == "user" and not message.get("loop_note"):
+            turns.append({"from": "human", "value": message.get("content") or ""})
     flush_tools()
+    return turns
+
+
+def conversation_length(messages: list[dict]) -> int:
+    """How many turns `to_sharegpt` makes of these messages (the system and human turns included)."""
+    turns, in_tool_group = 2, False
+    for message in messages[1:]:
+        role = message.get("role")
+        if role == "tool":
+            turns += 0 if in_tool_group else 1
+            in_tool_group = True
+            continue
+        in_tool_group = False
+        if role == "assistant" or (role == "user" and not message.get("loop_note")):
+            turns += 1
     return turns
 
 
@@ -173,8 +190,8 @@ def has_reasoning(message: dict) -> bool:
 
 
 def extract_reasoning_stats(messages: Iterable[dict]) -> dict[str, int]:
-    """Reasoning coverage over the model's own turns (the loop's forced summary is not counted)."""
-    turns = [m for m in messages if m.get("role") == "assistant" and not m.get("synthetic")]
+    """Reasoning coverage over the model's own turns (the turn-limit summary is not counted)."""
+    turns = [m for m in messages if m.get("role") == "assistant" and not m.get("summary")]
     with_reasoning = sum(1 for m in turns if has_reasoning(m))
     return {
         "total_assistant_turns": len(turns),

@@ -141,6 +141,8 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
             seed=config.seed,
             tools_offered=[spec.name for spec in tools],
             stop_reason=result.error or ("turn_limit" if result.hit_turn_limit else "final_answer"),
+            dropped_replies=result.dropped_replies,
+            loop_notes=result.loop_notes,
         )
         common = {
             "api_calls": result.api_calls,

@@ -67,13 +67,14 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     latency: float | None = None  # overrides the conversation/server latency
     hang: bool = False  # never answer (until the server stops)
+    close: bool = False  # close the connection without answering
 
 
 @dataclass
 class Fault:
     """A request-level fault covering ``times`` consecutive requests."""
 
-    kind: str  # "fail" | "malformed" | "empty_choices" | "hang"
+    kind: str  # "fail" | "malformed" | "empty_choices" | "hang" | "close"
     times: float
     status: int = 200
     retry_after: str | None = None
@@ -85,7 +86,7 @@ class Fault:
 class Directives:
     tools: list[tuple[str, str]] = field(default_factory=list)  # (name, JSON args)
     parallel: bool = False
-    reasoning: str = "reasoning"  # reasoning | none | content | details | scratchpad
+    reasoning: str = "reasoning"  # reasoning | none | content | details | scratchpad | inline
     faults: list[Fault] = field(default_factory=list)  # applied in line order
     latency: float | None = None
     finish_length: bool = False
@@ -93,6 +94,10 @@ class Directives:
     bad_args: int = 0
     think_only: int = 0
     needs_tool_choice: bool = False  # like llama-cpp-python: tools are ignored without tool_choice
+    control_chars: bool = False  # tool arguments carry raw control characters inside strings
+    empty: int = 0  # the first N replies have no content, no reasoning and no tool call
+    cost: str | None = "0.0001"  # usage.cost of each reply; None: not reported
+    cost_header: str | None = None  # x-litellm-response-cost of each reply
 
 
 @dataclass
@@ -106,6 +111,7 @@ class ConversationState:
     unknown_tool_served: int = 0
     bad_args_served: int = 0
     think_only_served: int = 0
+    empty_served: int = 0
     bad_call_ids: set[str] = field(default_factory=set)  # ids that don't advance the script
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -154,6 +160,16 @@ def parse_directives(text: str) -> Directives:
             d.think_only = _int(args, 0, 1)
         elif name == "needs_tool_choice":
             d.needs_tool_choice = True
+        elif name == "control_chars":
+            d.control_chars = True
+        elif name == "empty":
+            d.empty = _int(args, 0, 1)
+        elif name == "cost" and args:
+            d.cost = None if args[0] == "none" else args[0]
+        elif name == "cost_header" and args:
+            d.cost_header = args[0]
+        elif name == "close":
+            d.faults.append(Fault("close", _int(args, 0, 1)))
     return d
 
 
@@ -249,6 +265,8 @@ def chat_completion(
         elif reasoning_style == "scratchpad":
             scratch = f"<REASONING_SCRATCHPAD>{reasoning}</REASONING_SCRATCHPAD>"
             message["content"] = scratch + (f"\n{content}" if content else "")
+        elif reasoning_style == "inline":  # llama.cpp / vLLM without a reasoning parser
+            message["content"] = f"<think>\n{reasoning}\n</think>\n\n" + (content or "")
     if tool_calls:
         message["tool_calls"] = tool_calls
     if finish_reason is None:
@@ -320,6 +338,8 @@ def fault_reply(body: dict, state: ConversationState) -> Reply | None:
             continue
         if fault.kind == "hang":
             return Reply(hang=True)
+        if fault.kind == "close":
+            return Reply(close=True)
         if fault.kind == "malformed":
             return Reply(body=b'{"id": "chatcmpl-malformed", "choices": [{"index": 0, "message": ')
         if fault.kind == "empty_choices":
@@ -371,14 +391,29 @@ def scripted_policy(body: dict, state: ConversationState) -> Reply:
 
     reasoning = None if d.reasoning == "none" else f"Reasoning about turn {len(assistant_turns)}."
 
-    def reply(content: str | None, calls: list[dict] | None = None, finish: str | None = None) -> Reply:
-        return Reply(body=chat_completion(body, content, calls, reasoning, d.reasoning, finish))
+    def reply(content: str | None, calls: list[dict] | None = None, finish: str | None = None,
+              thought: str | None = reasoning) -> Reply:
+        completion = chat_completion(body, content, calls, thought, d.reasoning, finish)
+        if d.cost is None:
+            del completion["usage"]["cost"]
+        else:
+            completion["usage"]["cost"] = float(d.cost)
+        headers = {"x-litellm-response-cost": d.cost_header} if d.cost_header is not None else {}
+        return Reply(body=completion, headers=headers)
+
+    def call(name: str, args: str) -> dict:
+        if d.control_chars:  # a literal newline / tab inside a JSON string, as real models send
+            args = args.replace("\\n", "\n").replace("\\t", "\t")
+        return tool_call(name, args)
 
     with state.lock:
         first_reply = state.replies == 0
         state.replies += 1
         if d.finish_length and first_reply:
             return reply("This answer was cut off because the model ran out of tok", finish="length")
+        if state.empty_served < d.empty:
+            state.empty_served += 1
+            return reply("", thought=None)
         if state.unknown_tool_served < d.unknown_tool:
             state.unknown_tool_served += 1
             return reply(None, [tool_call(UNKNOWN_TOOL, "{}")])
@@ -389,7 +424,7 @@ def scripted_policy(body: dict, state: ConversationState) -> Reply:
             return reply(None, [call])
         if remaining:
             batch = remaining if d.parallel else remaining[:1]
-            return reply(None, [tool_call(name, args) for name, args in batch])
+            return reply(None, [call(name, args) for name, args in batch])
         if state.think_only_served < d.think_only:
             state.think_only_served += 1
             return reply("<think>pondering</think>")
@@ -492,6 +527,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
         if reply.hang:
             model._stopping.wait()
+            self.close_connection = True
+            return
+        if reply.close:
             self.close_connection = True
             return
         latency = reply.latency

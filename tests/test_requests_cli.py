@@ -67,3 +67,63 @@ def test_turn_limit_summary_request_keeps_the_tools_with_tool_choice_none(tmp_pa
     (row,) = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
     assert row["metadata"]["stop_reason"] == "turn_limit" and row["api_calls"] == 1
     assert row["conversations"][-1]["from"] == "gpt" and "Final answer" in row["conversations"][-1]["value"]
+
+
+def test_raw_control_characters_in_arguments_are_accepted(tmp_path, model_server, remote_args):
+    prompt = '@control_chars\n@tool terminal {"command": "echo first\\necho second"}\nTwo lines.'
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt}])
+    proc = _run(tmp_path, dataset, remote_args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sent = json.loads(json.dumps(_chat(model_server)[1]["messages"][-2]))  # the call as the runner sent it back
+    assert json.loads(sent["tool_calls"][0]["function"]["arguments"]) == {"command": "echo first\necho second"}
+    (row,) = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
+    assert row["api_calls"] == 2 and row["metadata"]["dropped_replies"] == []
+    assert row["tool_stats"]["terminal"] == {"count": 1, "success": 1, "failure": 0}
+    assert "first\\nsecond" in row["conversations"][3]["value"]
+
+
+def test_inline_think_counts_as_reasoning(tmp_path, model_server, remote_args):
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "@reasoning inline\n" + TERMINAL + "Think inline."}])
+    proc = _run(tmp_path, dataset, remote_args)  # the no-reasoning filter is on: the row must not be discarded
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
+    assert row["reasoning_stats"] == {"total_assistant_turns": 2, "turns_with_reasoning": 2, "turns_without_reasoning": 0}
+    final = row["conversations"][-1]["value"]
+    assert final.startswith("<think>\nReasoning about turn 1.\n</think>\nFinal answer") and final.count("<think>") == 1
+    # The reply sent back to the model in the next request holds the answer, not the thinking.
+    second = _chat(model_server)[1]["messages"]
+    assert all("<think>" not in (m.get("content") or "") for m in second)
+
+
+def test_empty_replies_are_reported_as_empty_and_never_saved_as_success(tmp_path, model_server, remote_args):
+    rows = [{"prompt": "@empty 1\n" + TERMINAL + "One empty reply first."},
+            {"prompt": "@empty 9\nNothing but empty replies."}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (row,) = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
+    assert row["prompt_index"] == 0 and row["completed"] and row["api_calls"] == 3
+    assert row["metadata"]["dropped_replies"] == [{"call": 1, "reason": "empty reply (no content, no tool call)"}]
+    (failed,) = [r for r in _batch_lines(tmp_path) if r.get("failed")]
+    assert failed["prompt_index"] == 1 and "empty replies" in failed["error"] and "thinking" not in failed["error"]
+
+
+def test_every_dropped_reply_is_recorded_so_api_calls_add_up(tmp_path, model_server, remote_args):
+    rows = [{"prompt": "@unknown_tool 1\n" + TERMINAL + "Unknown tool once."},
+            {"prompt": "@bad_args 2\n" + TERMINAL + "Bad JSON twice."},
+            {"prompt": "@think_only 1\nThink first."},
+            {"prompt": "@empty 2\nEmpty twice."}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
+    reasons = [[d["reason"].split(":")[0] for d in t["metadata"]["dropped_replies"]] for t in kept]
+    assert reasons == [["called a tool it was not offered"], ["invalid JSON arguments for 'terminal'"] * 2,
+                       ["no answer beyond thinking"], ["empty reply (no content, no tool call)"] * 2]
+    for row in kept:
+        gpt_turns = sum(1 for t in row["conversations"] if t["from"] == "gpt")
+        assert row["api_calls"] == gpt_turns + len(row["metadata"]["dropped_replies"])
+        assert [d["call"] for d in row["metadata"]["dropped_replies"]] == list(range(1, len(row["metadata"]["dropped_replies"]) + 1))
+        assert row["metadata"]["usage"]["requests"] == row["api_calls"]
+        assert [t["from"] for t in row["conversations"]][:2] == ["system", "human"]
+        assert {t["from"] for t in row["conversations"][2:]} <= {"gpt", "tool"}

@@ -207,17 +207,20 @@ def test_agent_loop_edge_cases(tmp_path, model_server, remote_args):
     assert kept[0]["completed"] and kept[0]["tool_stats"]["terminal"]["count"] == 1
     assert kept[1]["partial"] and not kept[1]["completed"] and "no_such_tool" in kept[1]["metadata"]["stop_reason"]
     repaired = kept[2]["conversations"]
-    notes = [t for t in repaired if t["from"] == "system"][1:]
-    assert notes and "not valid JSON" in notes[0]["value"]  # the repair note is not a human turn
-    assert [t["from"] for t in repaired].count("human") == 1
+    repair, summary = kept[2]["metadata"]["loop_notes"]  # the notes are not turns of the conversation
+    assert "not valid JSON" in repair["note"] and repair["after_turn"] == 1
+    assert "final answer" in summary["note"] and summary["after_turn"] == 1
+    assert [t["from"] for t in repaired] == ["system", "human", "gpt"]  # the summary
+    assert [d["reason"][:12] for d in kept[2]["metadata"]["dropped_replies"]] == ["invalid JSON"] * 3
     assert kept[3]["completed"] and kept[3]["api_calls"] == 2
     assert 4 not in kept
     (failed,) = [r for p in _files(tmp_path).glob("batch_*.jsonl") for r in read_jsonl(p) if r.get("failed")]
     assert failed["prompt_index"] == 4 and "output length limit" in failed["error"]
     limited = kept[5]
     assert limited["api_calls"] == 3 and limited["completed"] is False
-    assert limited["conversations"][-2]["from"] == "system"  # the summary request
-    assert [t["from"] for t in limited["conversations"]].count("human") == 1
+    assert [t["from"] for t in limited["conversations"]] == ["system", "human"] + ["gpt", "tool"] * 3 + ["gpt"]
+    (note,) = limited["metadata"]["loop_notes"]  # the summary request, after the last tool turn
+    assert note["after_turn"] == 7 and "final answer" in note["note"]
 
 
 def test_final_answer_on_last_permitted_call_is_completed(tmp_path, model_server, remote_args):
