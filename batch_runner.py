@@ -9,7 +9,7 @@ config.json, trajectories.jsonl and statistics.json. See README.md for every fla
 
 Exit codes: 0 every row done; 1 bad input or configuration; 2 finished with failed or unrun rows
 (run again with --resume); 3 stopped early by a fatal provider error (auth or quota);
-130 interrupted (Ctrl-C / SIGTERM).
+5 stopped on a storage error (disk full: committed rows are safe); 130 interrupted (Ctrl-C / SIGTERM).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from runner.store import StorageError
 from toolset_distributions import DISTRIBUTIONS, format_distribution_catalogue
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FATAL_PROVIDER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_STORAGE = 5  # the run directory cannot be written (disk full, ...): committed rows are safe
 FATAL_CLASSES = ("auth", "quota")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _LOOPBACK = re.compile(r"^https?://(localhost|127\.\d+\.\d+\.\d+|\[::1\])(:\d+)?(/|$)")
@@ -186,6 +188,10 @@ def main(
     except UsageError as err:
         print(f"❌ Error: {err}", file=sys.stderr)
         code = EXIT_ERROR
+    except StorageError as err:
+        print(f"\n❌ Stopped: {err}.\n   The committed rows are safe; free some space (or fix the disk), "
+              "then run again with --resume to finish.", file=sys.stderr)
+        code = EXIT_STORAGE
     except Exception as err:  # our bug or an OS error: one clear line, the traceback with --verbose
         print(f"\n❌ Fatal error: {type(err).__name__}: {err}", file=sys.stderr)
         if verbose:
@@ -210,6 +216,7 @@ def _report_only(output_dir: Any, run_name: Any, samples: Any) -> int:
 
 def build_config(**flags: Any):
     """Validate the flags into a RunConfig (raises UsageError with one clear line)."""
+    from runner import secrets
     from runner.config import PROVIDER_SORTS, TOOL_CHOICES, RunConfig
     from tools.settings import ToolSettings
 
@@ -241,7 +248,9 @@ def build_config(**flags: Any):
     model = str(flags["model"])
     base_url = None if model == "mock" else (str(flags["base_url"]) if flags["base_url"] else None)
     api_key = flags["api_key"]
-    api_key = str(api_key) if api_key not in (None, "", True) else os.environ.get("OPENROUTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if api_key in (None, "", True):  # the CLI took --api_key out of argv (runner/secrets.py)
+        api_key = secrets.get(secrets.API_KEY_FLAG) or secrets.get("OPENROUTER_API_KEY") or secrets.get("OPENAI_API_KEY")
+    api_key = None if api_key is None else str(api_key)
     if model != "mock" and not api_key and not (base_url and _LOOPBACK.match(base_url)):
         raise UsageError(
             f"no API key for {base_url or 'the model endpoint'}: pass --api_key or set OPENROUTER_API_KEY "
@@ -289,13 +298,13 @@ def build_config(**flags: Any):
             image_model=flags["image_model"],
         ),
         searxng_url=os.environ.get("SEARXNG_URL"),
-        tavily_api_key=os.environ.get("TAVILY_API_KEY"),
-        exa_api_key=os.environ.get("EXA_API_KEY"),
-        brave_api_key=os.environ.get("BRAVE_API_KEY"),
-        firecrawl_api_key=os.environ.get("FIRECRAWL_API_KEY"),
-        fal_key=os.environ.get("FAL_KEY"),
+        tavily_api_key=secrets.get("TAVILY_API_KEY"),
+        exa_api_key=secrets.get("EXA_API_KEY"),
+        brave_api_key=secrets.get("BRAVE_API_KEY"),
+        firecrawl_api_key=secrets.get("FIRECRAWL_API_KEY"),
+        fal_key=secrets.get("FAL_KEY"),
         images_base_url=os.environ.get("IMAGES_BASE_URL"),
-        images_api_key=os.environ.get("IMAGES_API_KEY"),
+        images_api_key=secrets.get("IMAGES_API_KEY"),
     )
     ephemeral = flags["ephemeral_system_prompt"]
     if flags["executor"] not in ("local", "ray"):
@@ -369,10 +378,12 @@ class BatchRunner:
     def run(self) -> int:
         from runner.dataset import DatasetError, scan_dataset
         from runner.lock import RunLock, RunLockBusy
-        from runner.store import RunStore
+        from runner.secrets import register_config
+        from runner.store import STORAGE_ERRNOS, RunStore
         from tools.registry import tool_schema_version, unavailable_tools
 
         config = self.config
+        register_config(config)  # every key is redacted from records and console lines
         config.tool_schema_version = tool_schema_version()
         unavailable = unavailable_tools(config.tools)
         # Workers start now, so their imports overlap with reading the dataset and the run directory.
@@ -398,6 +409,10 @@ class BatchRunner:
                 self._prepare_run_dir()
                 store = RunStore(self.run_dir, config.run_name, config.batch_size)
                 return self._run_locked(scan, store, executor, unavailable)
+            except OSError as err:  # a write of the merge, statistics, config...: name the path
+                if err.errno in STORAGE_ERRNOS:
+                    raise StorageError(err.filename or self.run_dir, err) from err
+                raise
             finally:
                 lock.release()
         finally:
@@ -449,15 +464,17 @@ class BatchRunner:
 
     def _prepare_run_dir(self) -> None:
         """Refuse to mix runs by accident: a rerun needs --resume (or --overwrite). Runs under the lock."""
-        from runner.store import batch_files
+        from runner.store import batch_files, own_files
 
         run_dir = self.run_dir
         has_rows = bool(batch_files(run_dir))
         if has_rows and self.overwrite:
-            for path in run_dir.iterdir():
-                if path.is_file() and path.suffix in (".jsonl", ".json", ".torn", ".html"):
-                    path.unlink()
-            print(f"🗑️  --overwrite: removed the earlier outputs in {run_dir}")
+            # Only what the runner wrote: a dataset or notes the user keeps in the folder stay.
+            dataset = Path(self.config.dataset_file).resolve()
+            for path in own_files(run_dir):
+                if path.resolve() != dataset:
+                    path.unlink(missing_ok=True)
+            print(f"🗑️  --overwrite: removed the earlier outputs of the runner in {run_dir}")
         elif has_rows and not self.resume:
             raise UsageError(
                 f"{run_dir} already holds rows of an earlier run; use --resume to continue it "
@@ -716,6 +733,10 @@ def text_flags() -> set[str]:
 
 
 def cli(argv: list[str] | None = None) -> None:
+    if argv is None:  # the real command line: keys leave our environment and argv first (may re-exec)
+        from runner.secrets import protect_process_secrets
+
+        protect_process_secrets()
     import fire
 
     from runner.flags import FlagError, check_argv, format_help, wants_help

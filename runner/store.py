@@ -11,16 +11,20 @@ Invariants (DESIGN §3):
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
 import orjson
+
+from runner.secrets import redact_bytes
 
 BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
 OUTCOME_RANK = {"failed": 0, "discarded": 1, "ok": 2}  # a later attempt can only improve a row
@@ -56,6 +60,28 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, value: Any) -> None:
     atomic_write_bytes(path, orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+# errno values that mean "the disk cannot take this write", not "our bug"
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+
+
+class StorageError(Exception):
+    """The run directory cannot be written (disk full, quota, read-only, I/O error)."""
+
+    def __init__(self, path: Path | str, error: OSError):
+        self.path = Path(path)
+        self.error = error
+        super().__init__(f"cannot write {self.path}: {error.strerror or error}")
+
+
+@contextmanager
+def storage_errors(path: Path | str):
+    """Turn an OSError of a write to `path` into a StorageError naming it."""
+    try:
+        yield
+    except OSError as err:
+        raise StorageError(path, err) from err
 
 
 def record_outcome(record: dict) -> str:
@@ -94,6 +120,19 @@ def batch_files(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+# What the runner writes into a run directory; --overwrite removes these and nothing else.
+OWN_FILES = ("checkpoint.json", "statistics.json", "trajectories.jsonl", "config.json", "report.html", "status.json")
+_OWN_FILE = re.compile(
+    r"^(batch_\d+\.jsonl(\.torn)?"
+    r"|\.(checkpoint|statistics|trajectories|config|report|status)_[A-Za-z0-9_]+\.tmp)$"  # atomic-write temp files
+)
+
+
+def own_files(run_dir: Path) -> list[Path]:
+    """The files of the run directory the runner itself wrote (never the user's own files)."""
+    return [p for p in run_dir.iterdir() if (p.name in OWN_FILES or _OWN_FILE.match(p.name)) and p.is_file()]
+
+
 def iter_lines(path: Path, start: int = 0) -> Iterator[tuple[int, bytes]]:
     """(offset, line) for each complete line from `start`; an unterminated tail is not a line."""
     with open(path, "rb") as handle:
@@ -130,6 +169,8 @@ class RunStore:
         self.file_sizes: dict[str, int] = {}
         self.batch_stats: dict[str, dict[str, int]] = {}
         self._handle = None
+        self._opening: Path | None = None  # the batch file being opened (named if that fails)
+        self._synced_size = 0  # bytes of the open batch file known to be fsynced
         self._batch_num = 0
         self._lines_in_batch = 0
         self._last_checkpoint = 0.0
@@ -223,40 +264,68 @@ class RunStore:
     # --- writing ----------------------------------------------------------------------------
 
     def commit(self, records: list[dict]) -> None:
-        """Append records (one line each) and fsync once for the group: they are then committed."""
+        """Append records (one line each) and fsync once for the group: they are then committed.
+
+        Every known secret value is replaced by [REDACTED] in the line first, so a key that a
+        command managed to read still never reaches the dataset. A write that fails (disk full)
+        truncates the batch file back to its last fsynced size and raises StorageError: lines
+        fsynced before stay committed, the failed group is not."""
         if not records:
             return
-        for record in records:
-            key = record_key(record)
-            if key is None:
-                raise ValueError("a record without metadata.row_key cannot be committed")
-            if self.is_committed(key):
-                continue  # a result that arrived twice (e.g. a retried Ray task): keep the first
-            if self._handle is None or self._lines_in_batch >= self.batch_size:
-                self._rotate()
-            record["metadata"]["batch_num"] = self._batch_num
-            line = orjson.dumps(record) + b"\n"
-            self._handle.write(line)
-            self._lines_in_batch += 1
-            outcome = record_outcome(record)
-            self._note(key, outcome, record["prompt_index"])
-            self._count_batch(str(self._batch_num), outcome)
-        if self._handle is not None:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
-            self.file_sizes[Path(self._handle.name).name] = self._handle.tell()
+        try:
+            for record in records:
+                key = record_key(record)
+                if key is None:
+                    raise ValueError("a record without metadata.row_key cannot be committed")
+                if self.is_committed(key):
+                    continue  # a result that arrived twice (e.g. a retried Ray task): keep the first
+                if self._handle is None or self._lines_in_batch >= self.batch_size:
+                    self._rotate()
+                record["metadata"]["batch_num"] = self._batch_num
+                self._write_all(redact_bytes(orjson.dumps(record)) + b"\n")
+                self._lines_in_batch += 1
+                outcome = record_outcome(record)
+                self._note(key, outcome, record["prompt_index"])
+                self._count_batch(str(self._batch_num), outcome)
+            if self._handle is not None:
+                os.fsync(self._handle.fileno())
+                self._synced_size = self._handle.tell()
+                self.file_sizes[Path(self._handle.name).name] = self._synced_size
+        except OSError as err:
+            path = self._abandon_batch_file()
+            raise StorageError(path or self.run_dir, err) from err
         self._dirty = True
         self.save_checkpoint()
 
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # an unbuffered write may be short
+            view = view[self._handle.write(view):]
+
+    def _abandon_batch_file(self) -> Path | None:
+        """After a failed write: cut the file back to what was fsynced (no half line), close it."""
+        if self._handle is None:
+            return self._opening
+        path = Path(self._handle.name)
+        try:
+            os.ftruncate(self._handle.fileno(), self._synced_size)
+        except OSError:
+            pass  # a resume moves an unfinished last line aside anyway
+        self._handle.close()
+        self._handle = None
+        return path
+
     def _rotate(self) -> None:
         if self._handle is not None:
-            self._handle.flush()
             os.fsync(self._handle.fileno())
             self.file_sizes[Path(self._handle.name).name] = self._handle.tell()
             self._handle.close()
+            self._handle = None
             self._batch_num += 1
-        path = self.run_dir / f"batch_{self._batch_num}.jsonl"
-        self._handle = open(path, "ab", opener=private_opener)
+        path = self._opening = self.run_dir / f"batch_{self._batch_num}.jsonl"
+        # Unbuffered: after a failed write no buffered bytes are left to be written later.
+        self._handle = open(path, "ab", buffering=0, opener=private_opener)
+        self._synced_size = self._handle.tell()
         self._lines_in_batch = 0
         _fsync_dir(self.run_dir)  # the new file's name must survive a crash too
 
@@ -265,17 +334,18 @@ class RunStore:
         if not force and (not self._dirty or now - self._last_checkpoint < self.CHECKPOINT_EVERY):
             return
         completed = sorted({s.prompt_index for s in self.rows.values() if s.committed and s.prompt_index >= 0})
-        atomic_write_json(
-            self.checkpoint_path,
-            {
-                "run_name": self.run_name,
-                "completed_prompts": completed,
-                "batch_stats": self.batch_stats,
-                "last_updated": datetime.now().isoformat(),
-                "files": self.file_sizes,
-                "rows": {k: [s.outcome, s.prompt_index, s.failures] for k, s in self.rows.items()},
-            },
-        )
+        with storage_errors(self.checkpoint_path):
+            atomic_write_json(
+                self.checkpoint_path,
+                {
+                    "run_name": self.run_name,
+                    "completed_prompts": completed,
+                    "batch_stats": self.batch_stats,
+                    "last_updated": datetime.now().isoformat(),
+                    "files": self.file_sizes,
+                    "rows": {k: [s.outcome, s.prompt_index, s.failures] for k, s in self.rows.items()},
+                },
+            )
         self._last_checkpoint = now
         self._dirty = False
 

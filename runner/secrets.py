@@ -1,0 +1,157 @@
+"""API keys: read once, kept in memory, never in the environment or argv of anything tools start.
+
+`protect_process_secrets()` runs first thing in main(). When a key sits in the environment
+(OPENROUTER_API_KEY, TAVILY_API_KEY, ...) or on the command line (--api_key=...), the runner
+re-executes itself once with both cleaned and hands the keys to its new self over an inherited
+pipe. So /proc/<runner>/environ and /proc/<runner>/cmdline (what `ps` shows) hold no key, nor does
+the environment of the fork server, the workers and every command they start; workers get the
+keys inside their pickled configuration, over their own channel.
+
+Defence in depth: whatever a command still manages to read (the workers' memory, a file the user
+left around), every known secret value is replaced by [REDACTED] in each record before it is
+committed (RunStore.commit calls `redact_bytes`) and in every line the runner prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+REDACTED = "[REDACTED]"
+# The keys the runner itself reads from the environment (build_config): model and tool backends.
+SECRET_ENV_VARS = (
+    "OPENROUTER_API_KEY", "OPENAI_API_KEY", "TAVILY_API_KEY", "EXA_API_KEY", "BRAVE_API_KEY",
+    "FIRECRAWL_API_KEY", "FAL_KEY", "IMAGES_API_KEY",
+)  # fmt: skip
+API_KEY_FLAG = "--api_key"
+MIN_SECRET_LENGTH = 8  # shorter values ("x", "EMPTY") are placeholders; redacting them would mangle text
+_HANDOVER_FD = "ABR_SECRETS_FD"  # names the inherited pipe; holds no secret itself
+_FLAG = re.compile(r"^--?api[_-]key(=|$)")
+
+_store: dict[str, str] = {}  # name (env var, or --api_key) -> value, for this process
+_known: set[str] = set()  # every value to redact
+_patterns: list[bytes] = []
+
+
+def get(name: str) -> str | None:
+    """A secret the runner was given: `--api_key` or an environment variable name."""
+    value = _store.get(name)
+    if value is None and name != API_KEY_FLAG:
+        value = os.environ.get(name)  # used as a library, without protect_process_secrets()
+    return value or None
+
+
+def register(*values: object) -> None:
+    """Add values (str, pydantic SecretStr or None) to the set redacted everywhere."""
+    for value in values:
+        if value is not None and hasattr(value, "get_secret_value"):
+            value = value.get_secret_value()
+        if isinstance(value, str) and len(value) >= MIN_SECRET_LENGTH and value not in _known:
+            _known.add(value)
+            forms: set[bytes] = set()
+            for text in (value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1]):
+                forms.add(text.encode())
+                forms.add(json.dumps(text, ensure_ascii=False)[1:-1].encode())  # escaped twice: JSON in JSON
+            _patterns.extend(forms)
+            _patterns.sort(key=len, reverse=True)
+
+
+def register_config(config) -> None:
+    """Every secret field of a RunConfig (the model key and the tool backends' keys)."""
+    tools = config.tools
+    register(config.api_key, tools.api_key, tools.tavily_api_key, tools.exa_api_key, tools.brave_api_key,
+             tools.firecrawl_api_key, tools.fal_key, tools.images_api_key)
+
+
+def redact_bytes(data: bytes) -> bytes:
+    for pattern in _patterns:
+        if pattern in data:
+            data = data.replace(pattern, REDACTED.encode())
+    return data
+
+
+def redact(text: str) -> str:
+    for value in _known:
+        if value in text:
+            text = text.replace(value, REDACTED)
+    return text
+
+
+def protect_process_secrets() -> None:
+    """Take the keys out of this process's environment and argv (re-exec once), keep them here,
+    and redact them from everything printed. Call it before anything else starts."""
+    handed = os.environ.pop(_HANDOVER_FD, None)
+    if handed is not None:
+        with os.fdopen(int(handed), "r", encoding="utf-8") as pipe:
+            _store.update(json.load(pipe))
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    clean_argv, flag_value = _strip_api_key(argv)
+    found = {name: os.environ[name] for name in SECRET_ENV_VARS if os.environ.get(name)}
+    if flag_value is not None:
+        found[API_KEY_FLAG] = flag_value
+    if found:
+        _reexec_without(found, clean_argv)  # does not return
+    register(*_store.values())
+    _redact_console()
+
+
+def _strip_api_key(argv: list[str]) -> tuple[list[str], str | None]:
+    """argv without `--api_key=V` / `--api_key V` (also --api-key), and the value given."""
+    clean, value, i = [], None, 0
+    while i < len(argv):
+        match = _FLAG.match(argv[i])
+        if match and i > 0:
+            if match.group(1) == "=":
+                value = argv[i].split("=", 1)[1]
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+                i += 1
+            else:
+                value = ""
+            i += 1
+            continue
+        clean.append(argv[i])
+        i += 1
+    return clean, value
+
+
+def _reexec_without(found: dict[str, str], argv: list[str]) -> None:
+    secrets = {**_store, **found}
+    env = {k: v for k, v in os.environ.items() if k not in found and k != _HANDOVER_FD}
+    read_end, write_end = os.pipe()
+    payload = json.dumps(secrets).encode()
+    if len(payload) > 60_000:  # a pipe buffer holds 64 KiB; nobody has keys that long
+        raise SystemExit("❌ Error: the API keys given are too long")
+    os.write(write_end, payload)
+    os.close(write_end)
+    os.set_inheritable(read_end, True)
+    env[_HANDOVER_FD] = str(read_end)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv[1:]], env)
+
+
+class _RedactingStream:
+    """A console stream that replaces every known secret before it is written."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(redact(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name):  # encoding, isatty, fileno, ...: those of the real stream
+        return getattr(self._stream, name)
+
+
+def _redact_console() -> None:
+    if not isinstance(sys.stdout, _RedactingStream):
+        sys.stdout = _RedactingStream(sys.stdout)
+    if not isinstance(sys.stderr, _RedactingStream):
+        sys.stderr = _RedactingStream(sys.stderr)
