@@ -32,11 +32,11 @@ def _record(run_dir, **fields):
 
 
 def _paid_rows(server, n: int) -> list[int]:
-    return [len(server.requests_for(f"@latency 0.3\nLock row {i}.")) for i in range(n)]
+    return [len(server.requests_for(f"@latency 2.0\nLock row {i}.")) for i in range(n)]
 
 
 def test_two_runners_on_one_run_dir_never_both_run(model_server, tmp_path):
-    dataset = write_jsonl(tmp_path / "d.jsonl", _rows(12, latency=0.3))
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows(8, latency=2.0))
     cmd = [sys.executable, str(REPO / "batch_runner.py"), *_args(dataset, model_server, "--resume")]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -48,8 +48,8 @@ def test_two_runners_on_one_run_dir_never_both_run(model_server, tmp_path):
     assert first.returncode == 0, err
     assert second.returncode == 1
     assert "in use by another batch_runner" in second.stderr and f"PID {first.pid}" in second.stderr
-    assert _paid_rows(model_server, 12) == [1] * 12  # every row paid exactly once
-    assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == 12
+    assert _paid_rows(model_server, 8) == [1] * 8  # every row paid exactly once
+    assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == 8
     # The lock file stays (deleting it would let two runners lock two different files), released.
     assert json.loads((tmp_path / "data" / "r" / ".lock").read_text())["held"] is False
 
