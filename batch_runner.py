@@ -9,7 +9,8 @@ config.json, trajectories.jsonl and statistics.json. See README.md for every fla
 
 Exit codes: 0 every row done; 1 bad input or configuration; 2 finished with failed or unrun rows
 (run again with --resume); 3 stopped early by a fatal provider error (auth or quota);
-5 stopped on a storage error (disk full: committed rows are safe); 130 interrupted (Ctrl-C / SIGTERM).
+4 stopped at the cost budget (--max_cost); 5 stopped on a storage error (disk full: committed rows are
+safe); 130 interrupted (Ctrl-C / SIGTERM).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from runner.store import StorageError
 from toolset_distributions import DISTRIBUTIONS, format_distribution_catalogue
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FATAL_PROVIDER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_BUDGET = 4  # stopped at the cost budget (--max_cost): committed rows are kept, resumable
 EXIT_STORAGE = 5  # the run directory cannot be written (disk full, ...): committed rows are safe
 FATAL_CLASSES = ("auth", "quota")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -174,6 +176,12 @@ def main(
     sessions_per_node: int = None,
     report: bool = False,
     report_samples: int = 500,
+    price_input_per_mtok: float = None,
+    price_output_per_mtok: float = None,
+    price_cached_input_per_mtok: float = None,
+    max_cost: float = None,
+    max_cost_hard: bool = False,
+    max_cost_scope: str = "run",
 ):
     """Run a JSONL dataset of prompts through the agent (see README.md for every flag)."""
     if list_distributions:
@@ -217,6 +225,7 @@ def _report_only(output_dir: Any, run_name: Any, samples: Any) -> int:
 def build_config(**flags: Any):
     """Validate the flags into a RunConfig (raises UsageError with one clear line)."""
     from runner import secrets
+    from runner.budget import cost_options as budget_options
     from runner.config import PROVIDER_SORTS, TOOL_CHOICES, RunConfig
     from tools.settings import ToolSettings
 
@@ -307,6 +316,10 @@ def build_config(**flags: Any):
         images_api_key=secrets.get("IMAGES_API_KEY"),
     )
     ephemeral = flags["ephemeral_system_prompt"]
+    try:
+        cost_options = budget_options(flags, model, base_url)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if flags["executor"] not in ("local", "ray"):
         raise UsageError(f"--executor must be local or ray (got {flags['executor']!r})")
     if flags["executor"] == "ray":
@@ -348,6 +361,7 @@ def build_config(**flags: Any):
         sessions_per_node=_positive_int(flags["sessions_per_node"], "sessions_per_node"),
         report_samples=_positive_int(flags["report_samples"], "report_samples", minimum=0),
         tools=tools,
+        **cost_options,
     )
 
 
@@ -364,6 +378,7 @@ class BatchRunner:
         self.fatal_message: str | None = None
         self._interrupts = 0
         self._bar = None
+        self._monitor = None  # runner.status.RunMonitor of this invocation
 
     # --- logging that does not tear the progress bar --------------------------------------
 
@@ -545,6 +560,7 @@ class BatchRunner:
 
         started = time.monotonic()
         rows_this_run = 0
+        self._monitor = self._make_monitor(scan, store, done, remaining)
         if remaining:
             rows_this_run = self._execute(scan, store, executor, remaining)
         else:
@@ -560,16 +576,40 @@ class BatchRunner:
         )
         print_summary(stats, self.run_dir)
         self._write_report()
+        code = self._exit_code(merged)
+        self._monitor.close({EXIT_OK: "done", EXIT_INCOMPLETE: "incomplete", EXIT_FATAL_PROVIDER: "stopped_provider",
+                             EXIT_BUDGET: "stopped_budget", EXIT_INTERRUPTED: "interrupted"}.get(code, "stopped"))
+        return code
+
+    def _exit_code(self, merged) -> int:
         if self.fatal_message:
             print(f"\n❌ Stopped early: {self.fatal_message}", file=sys.stderr)
             return EXIT_FATAL_PROVIDER
         if self.stopping == "interrupted":
             print("\n⏸️  Interrupted: committed rows are safe; run again with --resume to finish.", file=sys.stderr)
             return EXIT_INTERRUPTED
+        print(f"\n{self._monitor.spend_line(self._monitor.snapshot('done'))}")
+        if self._monitor.budget_reached and (merged.failed or merged.not_run):
+            print(f"\n{self._monitor.budget.stop_message(self.config.max_cost_scope)}", file=sys.stderr)
+            return EXIT_BUDGET
         if merged.failed or merged.not_run:
             print(f"\n⚠️  {merged.failed + merged.not_run} row(s) not done; run again with --resume to retry them.")
             return EXIT_INCOMPLETE
         return EXIT_OK
+
+    def _make_monitor(self, scan, store, done: int, remaining: int):
+        """Live spend, forecast and status.json for this invocation, with the budget if one is set."""
+        from runner.budget import Budget
+        from runner.status import LiveSpend, RunMonitor
+
+        config = self.config
+        spend = LiveSpend(scope=config.max_cost_scope)
+        if config.max_cost_scope == "run":
+            spend.known_cost_before, spend.known_attempts_before, spend.unknown_attempts_before = _spend_before(self.run_dir)
+        kept = sum(1 for key in scan.key_to_index if (state := store.rows.get(key)) is not None and state.outcome == "ok")
+        budget = Budget(config.max_cost, config.max_cost_hard, spend) if config.max_cost is not None else None
+        return RunMonitor(self.run_dir, config.run_name, total_rows=scan.rows, finished_before=done, kept_before=kept,
+                          to_run=remaining, spend=spend, budget=budget, budget_limit=config.max_cost, log=self.log)
 
     def _write_report(self) -> None:
         try:
@@ -643,6 +683,7 @@ class BatchRunner:
         from runner.executor import lost_row_record
 
         config = self.config
+        monitor = self._monitor
         failed_images = self._prepare_images(scan)
         counts = {"ok": 0, "failed": 0, "discarded": 0, "retries": 0}
         self._install_signal_handlers(executor)
@@ -656,6 +697,8 @@ class BatchRunner:
             while True:
                 immediate = []
                 while not self.stopping and not exhausted and executor.free_slots() > 0 and len(immediate) < 500:
+                    if not monitor.may_start():  # the cost budget (runner/budget.py)
+                        break
                     task = next(tasks, None)
                     if task is None:
                         exhausted = True
@@ -663,21 +706,30 @@ class BatchRunner:
                         immediate.append(lost_row_record(task, config, f"environment: {task['image_error']}", "environment"))
                     else:
                         executor.submit(task)
-                if executor.in_flight() == 0 and not immediate and (exhausted or self.stopping):
+                        monitor.on_start(task)
+                if executor.in_flight() == 0 and not immediate and (exhausted or self.stopping or monitor.budget_reached):
+                    break
+                if monitor.cancel_now():  # --max_cost_hard
+                    self.log(f"💸 Budget reached: cancelling {executor.in_flight()} in-flight prompt(s) (not committed)")
+                    executor.shutdown(abandon=True)
+                    monitor.on_abandoned()
                     break
                 if self.stopping and grace_deadline is None:
                     grace_deadline = time.monotonic() + config.grace_period
                 if grace_deadline is not None and time.monotonic() > grace_deadline and executor.in_flight():
                     self.log(f"⏹️  Grace period over: abandoning {executor.in_flight()} in-flight prompt(s) (not committed)")
                     executor.shutdown(abandon=True)  # stop paying for them now, not after the merge
+                    monitor.on_abandoned()
                     break
                 records = immediate + (executor.poll(0.2) if executor.in_flight() else [])
                 if records:
                     store.commit(records)
                     committed += len(records)
+                    monitor.on_commit(records)
                     self._after_commit(records, counts)
                 else:
                     store.save_checkpoint()
+                monitor.tick(executor.in_flight())
         finally:
             self._bar.close()
             self._bar = None
@@ -722,6 +774,24 @@ class BatchRunner:
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
+
+
+def _spend_before(run_dir: Path) -> tuple[float, int, int]:
+    """(known cost, priced attempts, unpriced attempts) of the attempts committed before this invocation.
+    TODO(issue 13): take these from the run view once it exists."""
+    from runner.store import batch_files, iter_records
+
+    cost, priced, unpriced = 0.0, 0, 0
+    for path in batch_files(run_dir):
+        for _, _, record, _ in iter_records(path):
+            usage = (record or {}).get("metadata", {}).get("usage") or {}
+            if int(usage.get("requests") or 0):
+                if usage.get("cost") is None:
+                    unpriced += 1
+                else:
+                    cost += float(usage["cost"])
+                    priced += 1
+    return cost, priced, unpriced
 
 
 def text_flags() -> set[str]:

@@ -108,11 +108,11 @@ class MockModelClient:
             "reasoning_tokens": len(reply.reasoning or "") // 4,
             "cached_tokens": 0,
             "total_tokens": _estimate_tokens(messages) + completion_tokens,
-            "cost": 0.0,
+            "cost": None,  # priced by the run's prices: free (0) unless --price_* flags are given
         }
         if stats is not None:
-            stats.requests += 1
-            stats.add_usage(reply.usage)
+            stats.count_request(model)
+            stats.add_usage(reply.usage, model)
         return reply
 
     async def close(self) -> None:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.pricing import Prices, request_cost
 from agent.types import ModelReply, ProviderError
 
 _QUOTA_WORDS = ("insufficient_quota", "quota", "credits", "insufficient credit", "billing")
@@ -84,7 +85,7 @@ class RequestPacer:
 
 @dataclass
 class CallStats:
-    """What one row spent: summed over every model request of the session (tools' too)."""
+    """What one row spent: summed over every model request of the session (tools' too), and per model."""
 
     requests: int = 0
     retries: int = 0
@@ -93,20 +94,46 @@ class CallStats:
     reasoning_tokens: int = 0
     cached_tokens: int = 0
     total_tokens: int = 0
-    cost: float = 0.0
+    cost: float | None = 0.0  # None once any reply's cost is unknown (none reported, no price given)
+    # model -> {requests, prompt_tokens, completion_tokens, cached_tokens, cost}: the run's model and
+    # the models tools call (mixture_of_agents, vision), each with its own figures.
+    by_model: dict[str, dict] = field(default_factory=dict)
+    prices: Prices | None = field(default=None, repr=False)  # for replies without a reported cost
 
-    def add_usage(self, usage: dict) -> None:
+    def count_request(self, model: str) -> None:
+        self.requests += 1
+        self._model(model)["requests"] += 1
+
+    def add_usage(self, usage: dict, model: str | None = None) -> None:
         self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
         self.completion_tokens += int(usage.get("completion_tokens") or 0)
         self.reasoning_tokens += int(usage.get("reasoning_tokens") or 0)
         self.cached_tokens += int(usage.get("cached_tokens") or 0)
         self.total_tokens += int(usage.get("total_tokens") or 0)
-        self.cost += float(usage.get("cost") or 0.0)
+        cost = request_cost(usage, self.prices)
+        self.cost = None if cost is None or self.cost is None else self.cost + cost
+        if model is not None:
+            entry = self._model(model)
+            for key in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+                entry[key] += int(usage.get(key) or 0)
+            entry["cost"] = None if cost is None or entry["cost"] is None else entry["cost"] + cost
+
+    def _model(self, model: str) -> dict:
+        entry = self.by_model.get(model)
+        if entry is None:
+            entry = self.by_model[model] = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0,
+                                            "cached_tokens": 0, "cost": 0.0}
+        return entry
 
     def as_dict(self) -> dict:
-        data = dict(self.__dict__)
-        data["cost"] = round(self.cost, 8)
+        data = {k: v for k, v in self.__dict__.items() if k not in ("prices", "by_model")}
+        data["cost"] = _round_cost(self.cost)
+        data["by_model"] = {m: {**e, "cost": _round_cost(e["cost"])} for m, e in sorted(self.by_model.items())}
         return data
+
+
+def _round_cost(cost: float | None) -> float | None:
+    return None if cost is None else round(cost, 8)
 
 
 def parse_duration(text: str) -> float | None:
@@ -169,7 +196,7 @@ def _usage_dict(usage: Any) -> dict:
         "total_tokens": usage.get("total_tokens") or 0,
         "reasoning_tokens": details.get("reasoning_tokens") or 0,
         "cached_tokens": prompt_details.get("cached_tokens") or 0,
-        "cost": usage.get("cost") or 0.0,  # OpenRouter reports the charge here
+        "cost": usage.get("cost"),  # OpenRouter reports the charge here; None: not reported
     }
 
 
@@ -307,14 +334,14 @@ class ModelClient:
                 await self.pacer.wait()
                 async with self.limiter:
                     if stats is not None:
-                        stats.requests += 1
+                        stats.count_request(model)
                     # The SDK's transport and errors, without its typed request/response models:
                     # the body is already plain JSON, and converting it costs more CPU than the rest.
                     completion = await self._client.post("/chat/completions", body=body, cast_to=object)
                 reply = reply_from_completion(completion)
                 self.limiter.on_success()
                 if stats is not None:
-                    stats.add_usage(reply.usage)
+                    stats.add_usage(reply.usage, model)
                 return reply
             except openai.APIStatusError as err:
                 message = _error_message(err)

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, Field, SecretStr
 
+from agent.pricing import FREE, Prices
 from tools.settings import ToolSettings
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
@@ -72,6 +73,10 @@ class RunConfig(BaseModel):
     ray_address: str | None = None
     sessions_per_node: int | None = None  # ray: concurrent sessions per node (default num_workers)
     report_samples: int = 500  # full conversations embedded in report.html
+    prices: Prices | None = None  # --price_*_per_mtok: for replies whose endpoint reports no cost
+    max_cost: float | None = None  # USD budget (runner/budget.py)
+    max_cost_hard: bool = False  # cancel rows in flight at the budget instead of letting them finish
+    max_cost_scope: str = "run"  # run: spend of earlier invocations counts; invocation: only this one
     tool_schema_version: str = ""
     tools: ToolSettings = Field(default_factory=ToolSettings)
 
@@ -90,6 +95,11 @@ class RunConfig(BaseModel):
         return {"vision_model": t.vision_model, "moa_reference_models": t.moa_reference_models,
                 "moa_aggregator_model": t.moa_aggregator_model, "web_search_backend": t.web_search_backend,
                 "image_backend": t.image_backend, "image_model": t.image_model}
+
+    @property
+    def request_prices(self) -> Prices | None:
+        """The prices of replies without a reported cost: the user's, else free for the offline model."""
+        return self.prices or (FREE if self.model == "mock" else None)
 
     @property
     def discard_without_reasoning(self) -> bool:

@@ -87,6 +87,12 @@ FLAGS: list[Flag] = _flags(
     ("sessions_per_node", "", "Sessions per Ray node."),
     ("report", "", "With --run_name: rewrite report.html from the run's files and exit."),
     ("report_samples", "500", "Full conversations embedded in report.html."),
+    ("price_input_per_mtok", "", "USD per million input tokens, for replies whose endpoint reports no cost."),
+    ("price_output_per_mtok", "", "USD per million output tokens (with --price_input_per_mtok)."),
+    ("price_cached_input_per_mtok", "the input price", "USD per million cached input tokens."),
+    ("max_cost", "none", "Budget in USD: no new row starts once spend (+ rows in flight) reaches it; exit 4."),
+    ("max_cost_hard", "off", "At the budget, cancel the rows in flight instead of letting them finish."),
+    ("max_cost_scope", "run", "run: earlier invocations' spend counts against --max_cost; invocation: only this one."),
 )
 FLAG_NAMES = [flag.name for flag in FLAGS]
 
@@ -95,7 +101,7 @@ USAGE = (
     "Run every prompt of a JSONL dataset through a tool-using agent and collect ShareGPT trajectories.\n"
     "Flags are written --flag=value or --flag value; a bare --flag is true and --noflag false.\n"
     "README.md explains each flag further; exit codes: 0 done, 1 bad input, 2 rows left, 3 provider stop,\n"
-    "130 interrupted."
+    "4 cost budget, 130 interrupted."
 )
 
 

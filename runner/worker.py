@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from agent.loop import LoopConfig, run_conversation
-from agent.model_client import ModelClient, RetryPolicy, SessionModel
+from agent.model_client import CallStats, ModelClient, RetryPolicy, SessionModel
 from agent.trajectory import extract_reasoning_stats, extract_tool_stats, normalise_tool_stats, to_sharegpt
 from agent.types import ProviderError
 from runner.config import RunConfig
@@ -118,7 +118,7 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
         toolsets = sample_toolsets_from_distribution(config.distribution, rng)
         tools = tools_for_toolsets(toolsets, runtime.unavailable)
         session = SessionModel(runtime.client, config.model, config.max_tokens, config.extra_body(),
-                               tool_choice=config.tool_choice)
+                               stats=CallStats(prices=config.request_prices), tool_choice=config.tool_choice)
         if any(TOOL_TO_TOOLSET.get(spec.name) in ENV_TOOLSETS for spec in tools):
             from tools.environments.factory import create_environment
 
