@@ -75,6 +75,7 @@ class Budget:
         self.spend = spend  # runner.status.LiveSpend: committed spend in the budget's scope
         self.started: dict[str, float] = {}  # row key -> monotonic start, of the rows in flight
         self.reached = False  # the budget stopped the run from starting rows
+        self.unmeasurable = False  # ... because no committed attempt had a known cost
         self.cancelled = 0  # rows in flight cancelled at the budget (--max_cost_hard)
 
     def on_start(self, key: str) -> None:
@@ -88,7 +89,10 @@ class Budget:
 
     def may_start(self) -> bool:
         """False once committed spend plus the expected spend of the rows in flight reaches the limit."""
-        if self.spend.budget_cost() + self.expected_in_flight() >= self.limit:
+        spent = self.spend.budget_cost()
+        if spent is None:  # attempts without a cost and nothing to estimate them by: stop, do not guess 0
+            self.reached = self.unmeasurable = True
+        elif spent + self.expected_in_flight() >= self.limit:
             self.reached = True
         return not self.reached
 
@@ -101,7 +105,7 @@ class Budget:
         now = time.monotonic()
         so_far = sum(mean_cost * (min(1.0, (now - t) / mean_duration) if mean_duration else 1.0)
                      for t in self.started.values())
-        if self.spend.budget_cost() + so_far >= self.limit:
+        if (self.spend.budget_cost() or 0.0) + so_far >= self.limit:
             self.reached = True
             self.cancelled = len(self.started)
             return True
@@ -109,6 +113,10 @@ class Budget:
 
     def stop_message(self, scope: str) -> str:
         spent = self.spend.budget_cost()
+        if spent is None:
+            return ("💸 Stopped: the endpoint reported no cost for the committed attempts, so --max_cost could not be "
+                    "enforced.\n   To continue: run again with --resume and --price_input_per_mtok / "
+                    "--price_output_per_mtok (USD per million tokens).")
         where = "across this run's invocations" if scope == "run" else "in this invocation"
         lines = [f"💸 Stopped at the cost budget: ${spent:.4f} spent {where} of --max_cost=${self.limit:g}."]
         if self.cancelled:

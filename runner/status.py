@@ -80,10 +80,10 @@ class LiveSpend:
     def this_invocation(self) -> float | None:
         return self._total(before=False)
 
-    def budget_cost(self) -> float:
-        """What the budget compares with its limit (unknown counts as 0 only when nothing is known;
-        --max_cost refuses to start when the run cannot be priced)."""
-        return self._total(before=self.scope == "run") or 0.0
+    def budget_cost(self) -> float | None:
+        """What the budget compares with its limit; None when attempts without a cost cannot even be
+        estimated (no attempt has a known cost)."""
+        return self._total(before=self.scope == "run")
 
     def attempt_spread(self) -> float | None:
         """Standard deviation of this invocation's known attempt costs (None below 2 attempts)."""
@@ -211,10 +211,14 @@ class RunMonitor:
             return False
         if self.budget.may_start():
             return True
-        self.log(f"💸 Budget reached: ${self.spend.budget_cost():.4f} committed + "
-                 f"${self.budget.expected_in_flight():.4f} expected of {len(self.budget.started)} row(s) in flight "
-                 f">= --max_cost=${self.budget.limit:g}; no new rows start"
-                 + ("" if self.budget.hard else ", the rows in flight finish"))
+        if self.budget.unmeasurable:
+            self.log("💸 The endpoint reported no cost for the committed attempts, so --max_cost cannot be "
+                     "enforced: no new rows start (give --price_input_per_mtok and --price_output_per_mtok)")
+        else:
+            self.log(f"💸 Budget reached: ${self.spend.budget_cost():.4f} committed + "
+                     f"${self.budget.expected_in_flight():.4f} expected of {len(self.budget.started)} row(s) in "
+                     f"flight >= --max_cost=${self.budget.limit:g}; no new rows start"
+                     + ("" if self.budget.hard else ", the rows in flight finish"))
         return False
 
     def cancel_now(self) -> bool:
@@ -276,7 +280,7 @@ class RunMonitor:
             "budget": None if self.budget_limit is None else {
                 "max_cost_usd": self.budget_limit,
                 "scope": spend.scope,
-                "counted_usd": _round(spend.budget_cost()),
+                "counted_usd": _round(spend.budget_cost()),  # None: spend cannot be measured
                 "reached": bool(self.budget is not None and self.budget.reached),
             },
             "forecast": None if outlook is None else {

@@ -96,7 +96,9 @@ def test_budget_without_any_estimate_lets_the_first_wave_start():
 def test_unpriced_attempts_count_at_the_mean_or_make_the_total_unknown():
     spend = LiveSpend()
     spend.add({"requests": 1}, 1.0)
-    assert spend.total() is None and spend.budget_cost() == 0.0
+    assert spend.total() is None and spend.budget_cost() is None
+    budget = Budget(1.0, hard=False, spend=spend)  # e.g. OpenRouter stopped reporting usage.cost
+    assert not budget.may_start() and budget.unmeasurable and "could not be enforced" in budget.stop_message("run")
     spend.add({"requests": 2, "cost": 0.3}, 1.0)
     spend.add({"requests": 0, "cost": None}, 0.0)  # no model request: nothing spent, not an attempt
     assert spend.total() == pytest.approx(0.6) and spend.estimated_attempts == 1
