@@ -20,7 +20,7 @@ from typing import Any
 from agent.pricing import Prices, request_cost
 from agent.types import ModelReply, ProviderError
 
-_QUOTA_WORDS = ("insufficient_quota", "quota", "credits", "insufficient credit", "billing")
+_QUOTA_CODES = ("insufficient_quota", "insufficient_credits", "billing_hard_limit_reached")
 
 
 @dataclass
@@ -165,7 +165,10 @@ def server_requested_delay(headers: Any) -> float | None:
         seconds = parse_duration(retry_after)
         if seconds is not None:
             return seconds
-        parsed = email.utils.parsedate_to_datetime(retry_after) if retry_after else None
+        try:
+            parsed = email.utils.parsedate_to_datetime(retry_after)
+        except (TypeError, ValueError):  # neither seconds nor a date: our own backoff applies
+            parsed = None
         if parsed is not None:
             return max(0.0, parsed.timestamp() - time.time())
     resets = [parse_duration(headers.get(h, "")) for h in ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens")]
@@ -173,12 +176,15 @@ def server_requested_delay(headers: Any) -> float | None:
     return max(resets) if resets else None
 
 
-def classify_status(status: int, message: str) -> tuple[str, bool]:
-    """(error_class, retryable) for an HTTP error status."""
-    lowered = message.lower()
+def classify_status(status: int, codes: tuple[str, ...] = ()) -> tuple[str, bool]:
+    """(error_class, retryable) for an HTTP error status and the error's code/type strings.
+
+    Only 402 or an explicit insufficient-quota code is a quota error (fatal for the run): a 429
+    whose message merely mentions a quota ("requests per minute quota") is a rate limit.
+    """
     if status in (401, 403):
         return "auth", False
-    if status == 402 or (status == 429 and any(w in lowered for w in _QUOTA_WORDS)):
+    if status == 402 or any(code in _QUOTA_CODES for code in codes):
         return "quota", False
     if status in (408, 409, 425, 429) or status >= 500:
         return "provider", True
@@ -344,8 +350,8 @@ class ModelClient:
                     stats.add_usage(reply.usage, model)
                 return reply
             except openai.APIStatusError as err:
-                message = _error_message(err)
-                error_class, retryable = classify_status(err.status_code, message)
+                message, codes = _error_fields(err)
+                error_class, retryable = classify_status(err.status_code, codes)
                 failure = f"HTTP {err.status_code}: {message}"
                 if err.status_code == 429:
                     self.limiter.on_throttled()
@@ -376,13 +382,15 @@ class ModelClient:
         await self._client.close()
 
 
-def _error_message(err: Any) -> str:
+def _error_fields(err: Any) -> tuple[str, tuple[str, ...]]:
+    """The error's message, and its `code` and `type` strings (lower case) when the body has them."""
     body = getattr(err, "body", None)
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict) and inner.get("message"):
-            return str(inner["message"])[:500]
-    return str(getattr(err, "message", err))[:500]
+    inner = body.get("error", body) if isinstance(body, dict) else None
+    if not isinstance(inner, dict):
+        return str(getattr(err, "message", err))[:500], ()
+    codes = tuple(str(inner[k]).lower() for k in ("code", "type") if isinstance(inner.get(k), str))
+    message = str(inner.get("message") or getattr(err, "message", err))[:500]
+    return message, codes
 
 
 @dataclass

@@ -80,6 +80,7 @@ class Fault:
     retry_after: str | None = None
     reset: str | None = None
     message: str | None = None
+    code: str | None = None  # error.code of the body (default: the status)
 
 
 @dataclass
@@ -187,7 +188,7 @@ def _normalise_args(text: str) -> str:
 
 
 def _parse_fail(rest: str) -> Fault:
-    """``<status> <times> [retry_after=S] [reset=S] [body=<text to end of line>]``"""
+    """``<status> <times> [retry_after=S] [reset=S] [code=C] [body=<text to end of line>]``"""
     rest, _, message = rest.partition("body=")
     status, times, *options = rest.split()
     fault = Fault("fail", int(times), status=int(status), message=message.strip() or None)
@@ -197,6 +198,8 @@ def _parse_fail(rest: str) -> Fault:
             fault.retry_after = value
         elif key == "reset":
             fault.reset = format_duration(float(value))
+        elif key == "code":
+            fault.code = value
     return fault
 
 
@@ -347,6 +350,8 @@ def fault_reply(body: dict, state: ConversationState) -> Reply | None:
             completion["choices"] = []
             return Reply(body=completion)
         reply = error_reply(fault.status, fault.message)
+        if fault.code is not None:
+            reply.body["error"]["code"] = fault.code
         if fault.retry_after is not None:
             reply.headers["Retry-After"] = fault.retry_after
         if fault.reset is not None:

@@ -26,12 +26,18 @@ def test_parse_duration_and_requested_delay():
 
 
 def test_status_classes():
-    assert classify_status(401, "bad key") == ("auth", False)
-    assert classify_status(402, "credits exhausted") == ("quota", False)
-    assert classify_status(429, "You exceeded your current quota") == ("quota", False)
-    assert classify_status(429, "slow down") == ("provider", True)
-    assert classify_status(503, "") == ("provider", True)
-    assert classify_status(400, "bad") == ("provider", False)
+    assert classify_status(401) == ("auth", False)
+    assert classify_status(402) == ("quota", False)
+    assert classify_status(429, ("insufficient_quota", "insufficient_quota")) == ("quota", False)
+    assert classify_status(429, ("rate_limit_exceeded",)) == ("provider", True)
+    assert classify_status(429) == ("provider", True)
+    assert classify_status(503) == ("provider", True)
+    assert classify_status(400, ("invalid_request_error",)) == ("provider", False)
+
+
+def test_unparseable_retry_after_is_ignored():
+    assert server_requested_delay({"retry-after": "abc"}) is None
+    assert server_requested_delay({"retry-after": "abc", "x-ratelimit-reset-requests": "2s"}) == 2
 
 
 def test_adaptive_limiter_halves_on_429_and_recovers_slowly():

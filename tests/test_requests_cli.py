@@ -127,3 +127,24 @@ def test_every_dropped_reply_is_recorded_so_api_calls_add_up(tmp_path, model_ser
         assert row["metadata"]["usage"]["requests"] == row["api_calls"]
         assert [t["from"] for t in row["conversations"]][:2] == ["system", "human"]
         assert {t["from"] for t in row["conversations"][2:]} <= {"gpt", "tool"}
+
+
+def test_odd_retry_after_and_quota_words_are_ordinary_backoff(tmp_path, model_server, remote_args):
+    rows = [{"prompt": "@fail 429 1 retry_after=abc\nA Retry-After that is neither seconds nor a date."},
+            {"prompt": "@fail 429 2 body=Rate limit reached: requests per minute quota exceeded\nA quota word."}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
+    assert [t["metadata"]["usage"]["retries"] for t in kept] == [1, 2]
+
+
+def test_only_402_or_an_insufficient_quota_code_stops_the_run(tmp_path, model_server, remote_args):
+    for name, fault in (("code", "@fail 429 100 code=insufficient_quota"), ("payment", "@fail 402 100")):
+        rows = [{"prompt": f"{fault}\nOut of credits {name} {i}."} for i in range(6)]
+        dataset = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        proc = _run(tmp_path, dataset, remote_args, "--num_workers=1", run_name=name)
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert "quota" in proc.stderr
+        failed = [r for r in _batch_lines(tmp_path, name) if r.get("failed")]
+        assert failed and {r["error_class"] for r in failed} == {"quota"} and len(failed) < 6
