@@ -588,9 +588,12 @@ class BatchRunner:
         if self.stopping == "interrupted":
             print("\n⏸️  Interrupted: committed rows are safe; run again with --resume to finish.", file=sys.stderr)
             return EXIT_INTERRUPTED
-        print(f"\n{self._monitor.spend_line(self._monitor.snapshot('done'))}")
+        snapshot = self._monitor.snapshot("done")
+        print(f"\n{self._monitor.spend_line(snapshot)}")
         if self._monitor.budget_reached and (merged.failed or merged.not_run):
-            print(f"\n{self._monitor.budget.stop_message(self.config.max_cost_scope)}", file=sys.stderr)
+            outlook = snapshot["forecast"] or {}
+            high = outlook.get("total_high_usd") or outlook.get("total_usd")
+            print(f"\n{self._monitor.budget.stop_message(self.config.max_cost_scope, high)}", file=sys.stderr)
             return EXIT_BUDGET
         if merged.failed or merged.not_run:
             print(f"\n⚠️  {merged.failed + merged.not_run} row(s) not done; run again with --resume to retry them.")

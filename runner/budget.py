@@ -111,7 +111,7 @@ class Budget:
             return True
         return False
 
-    def stop_message(self, scope: str) -> str:
+    def stop_message(self, scope: str, forecast_high: float | None = None) -> str:
         spent = self.spend.budget_cost()
         if spent is None:
             return ("💸 Stopped: the endpoint reported no cost for the committed attempts, so --max_cost could not be "
@@ -124,5 +124,6 @@ class Budget:
                          "committed and run again on resume; what they had spent is not in these figures.")
         if self.spend.estimated_attempts:
             lines.append(f"   {self.spend.estimated_attempts} attempt(s) reported no cost and were counted at the mean.")
-        lines.append(f"   To continue: run the same command with --resume --max_cost=HIGHER (more than {spent:.4f}).")
+        hint = f"; the forecast for every row is up to ${forecast_high:.4f}" if forecast_high else ""
+        lines.append(f"   To continue: run the same command with --resume --max_cost=HIGHER (more than {spent:.4f}{hint}).")
         return "\n".join(lines)
