@@ -606,9 +606,8 @@ class BatchRunner:
         from runner.status import LiveSpend, RunMonitor
 
         config = self.config
-        spend = LiveSpend(scope=config.max_cost_scope)
-        if config.max_cost_scope == "run":
-            spend.known_cost_before, spend.known_attempts_before, spend.unknown_attempts_before = _spend_before(self.run_dir)
+        spend = LiveSpend(scope=config.max_cost_scope)  # the scope decides what the budget counts
+        spend.known_cost_before, spend.known_attempts_before, spend.unknown_attempts_before = _spend_before(self.run_dir)
         kept = sum(1 for key in scan.key_to_index if (state := store.rows.get(key)) is not None and state.outcome == "ok")
         budget = Budget(config.max_cost, config.max_cost_hard, spend) if config.max_cost is not None else None
         return RunMonitor(self.run_dir, config.run_name, total_rows=scan.rows, finished_before=done, kept_before=kept,

@@ -27,7 +27,7 @@ Z95 = 1.96  # two-sided 95 % normal quantile
 
 @dataclass
 class LiveSpend:
-    """Committed spend in attempts; `*_before` come from earlier invocations (0 for scope invocation)."""
+    """Committed spend in attempts; `*_before` come from earlier invocations of the run."""
 
     scope: str = "run"  # run | invocation: what `budget_cost` covers
     known_cost_before: float = 0.0
