@@ -406,7 +406,8 @@ class BatchRunner:
         executor.start()
         try:
             try:
-                scan = scan_dataset(config.dataset_file, config.max_samples, require_image=self._rows_need_image())
+                scan = scan_dataset(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
+                                    sandboxed=config.tools.sandbox == "bwrap")
             except DatasetError as err:
                 raise UsageError(str(err)) from None
             if scan.errors:
@@ -414,6 +415,7 @@ class BatchRunner:
             if not scan.rows:
                 raise UsageError(f"{config.dataset_file}: no valid rows")
             self._print_header(scan)
+            self._warn_if_not_isolated()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             lock = RunLock(self.run_dir)
             try:
@@ -622,6 +624,17 @@ class BatchRunner:
         except Exception as err:  # the report is a view: never let it fail a finished run
             print(f"⚠️  Could not write report.html: {type(err).__name__}: {err}")
 
+    def _warn_if_not_isolated(self) -> None:
+        """The local backend without a sandbox runs the model's commands as our own user: say so
+        when that user is root, and name the flags that isolate them."""
+        from toolset_distributions import get_distribution
+
+        tools = self.config.tools
+        commands = {"terminal", "file"} & set(get_distribution(self.config.distribution)["toolsets"])
+        if tools.terminal_env == "local" and not tools.sandbox and commands and os.geteuid() == 0:
+            print("⚠️  Running as root with --terminal_env=local and no sandbox: the model's commands run as root "
+                  "on this machine, unisolated. Isolate them with --sandbox=bwrap or --terminal_env=docker.")
+
     def _warn_unavailable(self, unavailable: dict[str, str]) -> None:
         from toolset_distributions import get_distribution
         from tools.registry import TOOLSETS
@@ -639,7 +652,8 @@ class BatchRunner:
         """Rows still to run, as tasks; rows whose image cannot be had become failed records."""
         from runner.dataset import iter_rows
 
-        for row in iter_rows(self.config.dataset_file, self.config.max_samples, require_image=self._rows_need_image()):
+        for row in iter_rows(self.config.dataset_file, self.config.max_samples, require_image=self._rows_need_image(),
+                             sandboxed=self.config.tools.sandbox == "bwrap"):
             if store.is_committed(row.key):
                 continue
             attempt = store.failures(row.key) + 1

@@ -121,6 +121,16 @@ _BOM = b"\xef\xbb\xbf"
 NO_IMAGE = "no 'image' (or 'docker_image') field: --terminal_env=docker needs one per row, or pass --docker_image"
 
 
+def sandbox_cwd_error(cwd: str | None) -> str | None:
+    """Under --sandbox=bwrap a row's cwd is bind-mounted writable: an absolute path ("/") would make
+    the host writable, so it must be a folder inside the sandbox's own working directory."""
+    if cwd is None:
+        return None
+    if not cwd.strip() or cwd.startswith("/") or ".." in cwd.split("/"):
+        return f"'cwd' must be a relative path without '..' under --sandbox=bwrap (a folder in the sandbox's own workdir), got {cwd!r}"
+    return None
+
+
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
     with open(path, "rb") as handle:
         for line_no, raw in enumerate(handle, start=1):
@@ -132,7 +142,7 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def _walk(
-    path: Path, max_samples: int | None, require_image: bool = False
+    path: Path, max_samples: int | None, require_image: bool = False, sandboxed: bool = False
 ) -> Iterator[tuple[int, bytes, DatasetRow | None, str | None, str | None]]:
     """(line_no, raw, row, error, key) for every non-blank line up to max_samples valid rows.
     With `require_image`, a row that names no image is invalid (it could only fail later)."""
@@ -142,6 +152,8 @@ def _walk(
         row, error = _parse_line(raw)
         if row is not None and require_image and not (row.image or row.docker_image):
             row, error = None, NO_IMAGE
+        if row is not None and sandboxed and (problem := sandbox_cwd_error(row.cwd)):
+            row, error = None, problem
         key = None
         if row is not None:
             if max_samples and valid >= max_samples:
@@ -154,14 +166,16 @@ def _walk(
         yield line_no, raw, row, error, key
 
 
-def scan_dataset(path: str | Path, max_samples: int | None = None, require_image: bool = False) -> DatasetScan:
+def scan_dataset(
+    path: str | Path, max_samples: int | None = None, require_image: bool = False, sandboxed: bool = False
+) -> DatasetScan:
     """Validate the whole file. Raises DatasetError if it is missing or has no valid row.
     `require_image`: every row must name its container image (docker, no --docker_image)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"Dataset file not found: {path}")
     scan = DatasetScan(path=path)
-    for line_no, _raw, row, error, key in _walk(path, max_samples, require_image):
+    for line_no, _raw, row, error, key in _walk(path, max_samples, require_image, sandboxed):
         if row is None:
             scan.errors.append((line_no, error or "invalid"))
             continue
@@ -174,10 +188,12 @@ def scan_dataset(path: str | Path, max_samples: int | None = None, require_image
     return scan
 
 
-def iter_rows(path: str | Path, max_samples: int | None = None, require_image: bool = False) -> Iterator[Row]:
+def iter_rows(
+    path: str | Path, max_samples: int | None = None, require_image: bool = False, sandboxed: bool = False
+) -> Iterator[Row]:
     """The valid rows in file order (invalid lines are left out: scan_dataset reported them)."""
     index = 0
-    for line_no, _raw, row, _error, key in _walk(Path(path), max_samples, require_image):
+    for line_no, _raw, row, _error, key in _walk(Path(path), max_samples, require_image, sandboxed):
         if row is None:
             continue
         yield Row(

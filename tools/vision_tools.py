@@ -33,15 +33,16 @@ def image_mime_type(data: bytes, path: str = "") -> str | None:
 
 
 def _read_image(ctx: ToolContext, path: str) -> bytes:
-    """Read from the session's environment. Only with the local backend (where the sandbox is the
-    host anyway) may a path fall back to the host: a container's model must not read host files."""
+    """Read from the session's environment. Only with the unsandboxed local backend (where the
+    environment is the host anyway) may a path fall back to the host: a model in a container or
+    under bubblewrap must not read host files."""
     try:
         if ctx.env is None:
             raise FileNotFoundError(path)
         return ctx.env.read_file(path)
     except Exception as env_error:
         host_path = os.path.expanduser(path)
-        if ctx.settings.terminal_env == "local" and os.path.isfile(host_path):
+        if ctx.settings.terminal_env == "local" and not ctx.settings.sandbox and os.path.isfile(host_path):
             with open(host_path, "rb") as fh:
                 return fh.read(MAX_IMAGE_BYTES + 1)
         if isinstance(env_error, FileNotFoundError):

@@ -10,6 +10,7 @@ files in /tmp survive from one command to the next, as they do in a Docker conta
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -50,6 +51,7 @@ class LocalEnvironment:
         self.config = config
         self.workdir = ""
         self._owns_workdir = False
+        self._workdir_root = ""  # the folder made for this session (workdir, or its parent under bwrap)
         self._marker = uuid.uuid4().hex
         self._holder: subprocess.Popen | None = None  # bwrap: keeps the sandbox alive
         self._sandbox_pid = 0  # bwrap: host pid of the sandbox's init process
@@ -64,7 +66,7 @@ class LocalEnvironment:
         if cfg.sandbox and shutil.which("nsenter") is None:
             raise SandboxError("--sandbox=bwrap needs nsenter: apt-get install util-linux")
         try:
-            if cfg.cwd:
+            if cfg.cwd and not cfg.sandbox:
                 if not os.path.isdir(cfg.cwd):
                     raise SandboxError(f"working directory {cfg.cwd!r} does not exist")
                 self.workdir = os.path.realpath(cfg.cwd)
@@ -72,8 +74,13 @@ class LocalEnvironment:
                 root = os.path.realpath(cfg.workdir_root or tempfile.gettempdir())
                 os.makedirs(root, exist_ok=True)
                 prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", cfg.task_id)[:80] + "-"
-                self.workdir = tempfile.mkdtemp(prefix=prefix, dir=root)
+                self.workdir = self._workdir_root = tempfile.mkdtemp(prefix=prefix, dir=root)
                 self._owns_workdir = True
+                if cfg.cwd:  # bwrap: the row's cwd is a folder inside the sandbox's own workdir
+                    if os.path.isabs(cfg.cwd) or ".." in cfg.cwd.split("/"):
+                        raise SandboxError(f"under --sandbox=bwrap a row's cwd must be a relative path (got {cfg.cwd!r})")
+                    self.workdir = os.path.join(self.workdir, cfg.cwd)
+                    os.makedirs(self.workdir, exist_ok=True)
             if cfg.sandbox:
                 self._start_sandbox()
         except (OSError, ValueError, KeyError) as exc:  # ValueError/KeyError: bwrap's info made no sense
@@ -86,9 +93,10 @@ class LocalEnvironment:
         dev = ["--dev", "/dev"] if os.geteuid() == 0 else ["--dev-bind", "/dev", "/dev"]
         info_r, info_w = os.pipe()
         bwrap_args = [
-            "--info-fd", str(info_w), "--unshare-pid", "--unshare-net", "--die-with-parent",
+            "--info-fd", str(info_w), "--unshare-pid", "--unshare-ipc", "--unshare-net", "--die-with-parent",
             "--ro-bind", "/", "/", *dev, "--proc", "/proc", "--tmpfs", "/tmp",
-            "--bind", self.workdir, self.workdir,
+            "--bind", self._workdir_root, self._workdir_root,
+            "--clearenv", *(arg for name, value in _sandbox_env().items() for arg in ("--setenv", name, value)),
             "--", "sh", "-c", "echo ready; exec cat",
         ]  # fmt: skip
         try:
@@ -98,6 +106,7 @@ class LocalEnvironment:
             self._holder = subprocess.Popen(
                 ["sh", "-c", 'bwrap "$@"; exit $?', "sh", *bwrap_args],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(info_w,),
+                env=_sandbox_env(),
             )  # fmt: skip
         finally:
             os.close(info_w)
@@ -113,16 +122,20 @@ class LocalEnvironment:
     def _command_argv(self, script: str) -> list[str]:
         if not self._holder:
             return ["sh", "-c", script]
-        enter = ["nsenter", "-t", str(self._sandbox_pid), "-m", "-n", "-p", "-r"]
+        return [*self._enter_sandbox(), "sh", "-c", script]
+
+    def _enter_sandbox(self) -> list[str]:
+        enter = ["nsenter", "-t", str(self._sandbox_pid), "-m", "-n", "-p", "-i", "-r"]
         if os.geteuid() != 0:  # unprivileged bwrap made a user namespace: join it first
             enter += ["-U", "--preserve-credentials"]
-        return [*enter, "sh", "-c", script]
+        return enter
 
     def _command_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not _SECRET_NAME.search(k)}
+        if self._holder:  # the sandbox gets a clean environment, nothing of the runner's
+            env = _sandbox_env()
+        else:
+            env = {k: v for k, v in os.environ.items() if not _SECRET_NAME.search(k)}
         env[_MARKER_VAR] = self._marker
-        if self._holder:
-            env["HOME"] = "/tmp"  # the host's home is read-only in the sandbox; tools want a writable one
         return env
 
     def execute(self, command: str, *, cwd: str | None = None, timeout: float | None = None) -> ExecResult:
@@ -156,20 +169,42 @@ class LocalEnvironment:
         output = truncate_output(capture.text(), self.config.max_output_chars)
         return ExecResult(output=output, exit_code=exit_code, timed_out=timed_out)
 
-    def _host_path(self, path: str) -> str:
-        full = os.path.normpath(os.path.join(self.workdir, path))
-        # Through the sandbox's own root, /tmp is its private /tmp and the host stays read-only.
-        return f"/proc/{self._sandbox_pid}/root{full}" if self._holder else full
-
     def read_file(self, path: str) -> bytes:
-        with open(self._host_path(path), "rb") as f:
+        full = os.path.normpath(os.path.join(self.workdir, path))
+        if self._holder:
+            return self._file_in_sandbox(_READ_SCRIPT, full)
+        with open(full, "rb") as f:
             return f.read()
 
     def write_file(self, path: str, data: bytes) -> None:
-        target = self._host_path(path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "wb") as f:
+        full = os.path.normpath(os.path.join(self.workdir, path))
+        if self._holder:
+            self._file_in_sandbox(_WRITE_SCRIPT, full, data)
+            return
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as f:
             f.write(data)
+
+    def _file_in_sandbox(self, script: str, path: str, data: bytes | None = None) -> bytes:
+        """Read or write `path` with a process inside the sandbox, so every symlink resolves as the
+        sandbox sees it (a link to / is the sandbox's read-only /, never the host's)."""
+        if self._holder.poll() is not None:
+            raise SandboxError("the bubblewrap sandbox of this session has died")
+        try:
+            proc = subprocess.run(
+                [*self._enter_sandbox(), "sh", "-c", script, "sh", path], input=data or b"", capture_output=True,
+                cwd="/", env=self._command_env(), timeout=self.config.command_timeout,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise OSError(errno.ETIMEDOUT, "the sandbox did not answer in time", path) from None
+        if proc.returncode == 0:
+            return proc.stdout
+        if proc.returncode == _NOT_FOUND:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        if proc.returncode == _IS_DIR:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        message = proc.stderr.decode(errors="replace").strip().rpartition(": ")[2]
+        raise OSError(errno.EIO, message or f"failed with exit code {proc.returncode}", path)
 
     def cleanup(self) -> None:
         self._kill_session_processes()
@@ -180,7 +215,7 @@ class LocalEnvironment:
             self._holder.communicate()
             self._holder = None
         if self._owns_workdir and not self.config.keep_workdir:
-            shutil.rmtree(self.workdir, onerror=_force_remove)
+            shutil.rmtree(self._workdir_root, onerror=_force_remove)
             self._owns_workdir = False
 
     def _kill_session_processes(self) -> None:
@@ -192,6 +227,21 @@ class LocalEnvironment:
             for pid in found:
                 _signal(pid)
             time.sleep(0.05)
+
+
+# File tools under bwrap: small scripts run inside the sandbox, the path as $1.
+_NOT_FOUND, _IS_DIR = 3, 4
+_READ_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIR}; [ -e "$1" ] || exit {_NOT_FOUND}; exec cat -- "$1"'
+_WRITE_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIR}; mkdir -p -- "$(dirname -- "$1")" && exec cat > "$1"'
+
+
+def _sandbox_env() -> dict[str, str]:
+    """The whole environment of a sandbox: what commands need, nothing of the runner's."""
+    env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp"}
+    for name in ("LANG", "LC_ALL", "TERM", "TZ"):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    return env
 
 
 class _Capture:

@@ -1,0 +1,95 @@
+"""No API key reaches a file or the console, whatever route a command tries (real CLI, real
+processes, the local backend with and without bubblewrap)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import uuid
+
+import pytest
+
+from tests.conftest import read_jsonl, run_cli, write_jsonl
+
+# Every route a command has to a key of the runner. Each greps for the keys' common marker, so the
+# output stays small (never truncated) and a leak cannot hide in an omitted middle.
+ROUTES = {
+    "env": "env | grep abrtest; echo done-env",
+    "parent environ": r"tr '\0' '\n' < /proc/$PPID/environ | grep abrtest; echo done-ppid",
+    "all environs": r"cat /proc/[0-9]*/environ 2>/dev/null | tr '\0' '\n' | grep abrtest; echo done-environ",
+    "all cmdlines": r"cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\0' ' ' | grep -o 'abrtest-[0-9a-f]*'; echo done-cmdline",
+    "ps": "ps auxeww | grep -o 'abrtest-[0-9a-f]*'; echo done-ps",
+}
+KEY_SEEN = re.compile(r"abrtest-[0-9a-f]{32}|\[REDACTED\]")  # a key, or a key found and redacted
+
+
+def _keys() -> dict[str, str]:
+    return {name: f"{prefix}-abrtest-{uuid.uuid4().hex}" for name, prefix in
+            (("flag", "sk-or"), ("OPENROUTER_API_KEY", "sk-or"), ("TAVILY_API_KEY", "tvly"), ("FAL_KEY", "fal"))}
+
+
+def _everything_written(root) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in root.rglob("*") if p.is_file())
+
+
+def _tool_outputs(row: dict) -> list[str]:
+    outputs = []
+    for turn in row["conversations"]:
+        if turn["from"] == "tool":
+            body = json.loads(turn["value"].split("<tool_response>\n", 1)[1].rsplit("\n</tool_response>", 1)[0])
+            outputs.append(body["content"].get("output", json.dumps(body["content"])))
+    return outputs
+
+
+def _run(model_server, tmp_path, rows, keys, *extra, env=None):
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    args = [f"--dataset_file={dataset}", "--run_name=s", "--batch_size=10", "--distribution=terminal_only",
+            f"--base_url={model_server.base_url}", "--model=m", f"--api_key={keys['flag']}", "--verbose", *extra]
+    env = {name: value for name, value in keys.items() if name != "flag"} | (env or {})
+    return run_cli(args, tmp_path, env=env)
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bwrap"])
+def test_no_route_gives_a_command_the_keys(model_server, tmp_path, sandbox):
+    if sandbox == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap not installed")
+    keys = _keys()
+    # Under bwrap even a secret-named variable the runner does not know stays out of the sandbox.
+    extra_env = {"SOME_SERVICE_TOKEN": f"tok-abrtest-{uuid.uuid4().hex}"} if sandbox == "bwrap" else {}
+    rows = [{"prompt": f'@tool terminal {json.dumps({"command": command})}\nTry the {name} route.'}
+            for name, command in ROUTES.items()]
+    proc = _run(model_server, tmp_path, rows, keys, f"--sandbox={sandbox}", env=extra_env)
+    assert proc.returncode == 0, proc.stderr
+    trajectories = read_jsonl(tmp_path / "data" / "s" / "trajectories.jsonl")
+    assert len(trajectories) == len(ROUTES)
+    for row in trajectories:
+        (output,) = _tool_outputs(row)
+        assert "done-" in output  # the command really ran
+        assert not KEY_SEEN.search(output), output  # found nothing (not even a key that was then redacted)
+    written = _everything_written(tmp_path / "data")
+    console = proc.stdout + proc.stderr
+    for secret in [*keys.values(), *extra_env.values()]:
+        assert secret not in written and secret not in console
+
+
+def test_a_key_a_command_finds_anyway_is_redacted_in_records_and_console(model_server, tmp_path):
+    keys = _keys()
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "leak.txt").write_text(f"flag={keys['flag']} tavily={keys['TAVILY_API_KEY']}\n")
+    rows = [
+        {"prompt": '@tool terminal {"command": "cat leak.txt"}\nRead the file.', "cwd": str(workdir)},
+        # A provider error that quotes the key: the failed record and the console line both carry it.
+        {"prompt": f"@fail 400 1 body=invalid key {keys['flag']}\nFail with the key."},
+    ]
+    proc = _run(model_server, tmp_path, rows, keys)
+    assert proc.returncode in (2, 3), proc.stderr  # the second row failed
+    (row,) = read_jsonl(tmp_path / "data" / "s" / "trajectories.jsonl")
+    (output,) = _tool_outputs(row)
+    assert output.strip() == "flag=[REDACTED] tavily=[REDACTED]"
+    written = _everything_written(tmp_path / "data")
+    console = proc.stdout + proc.stderr
+    assert "invalid key [REDACTED]" in written and "[REDACTED]" in console
+    for secret in keys.values():
+        assert secret not in written and secret not in console
