@@ -15,9 +15,29 @@ from typing import Any
 from agent.model_client import CallStats
 from agent.types import ModelReply
 
+# Planning reads a bounded prefix of the prompt, token by token: the work per call is linear in at
+# most SCAN_CHARS characters, so even a megabyte prompt plans in milliseconds and never holds up
+# the worker's event loop (an unanchored search like `[\w./-]+\.png` restarts at every position of
+# a long word, which is quadratic).
+SCAN_CHARS = 20_000
 _URL = re.compile(r"https?://[^\s)\"'>]+")
-_IMAGE = re.compile(r"(?:https?://|/)?[\w./-]+\.(?:png|jpe?g|gif|webp)\b", re.IGNORECASE)
-_FILENAME = re.compile(r"\b[\w-]+\.(?:txt|md|py|json|csv|sh|log)\b")
+_TOKEN_SPLIT = re.compile(r"[\s\"'()<>\[\]{},;]+")
+_IMAGE = re.compile(r"(?:https?://)?[\w./-]+\.(?:png|jpe?g|gif|webp)", re.IGNORECASE)
+_FILENAME = re.compile(r"[\w-]+\.(?:txt|md|py|json|csv|sh|log)")
+
+
+def _tokens(text: str) -> list[str]:
+    """Whitespace/bracket separated words, without trailing sentence punctuation."""
+    return [t.rstrip(".:!?") for t in _TOKEN_SPLIT.split(text) if t]
+
+
+def _images(tokens: list[str]) -> list[str]:
+    return [t for t in tokens if _IMAGE.fullmatch(t)]  # anchored at both ends: one pass per token
+
+
+def _filenames(tokens: list[str]) -> list[str]:
+    names = (t.rsplit("/", 1)[-1] for t in tokens if not t.startswith(("http://", "https://")))
+    return [n for n in names if _FILENAME.fullmatch(n)]
 
 
 def _has(prompt: str, *words: str) -> bool:
@@ -26,6 +46,7 @@ def _has(prompt: str, *words: str) -> bool:
 
 def plan_tool_calls(prompt: str, offered: set[str]) -> list[tuple[str, dict]]:
     """The tool calls the mock makes for this prompt, in order (at most one per turn)."""
+    prompt = prompt[:SCAN_CHARS]
     text = prompt.lower()
     plan: list[tuple[str, dict]] = []
 
@@ -33,9 +54,10 @@ def plan_tool_calls(prompt: str, offered: set[str]) -> list[tuple[str, dict]]:
         if tool in offered:
             plan.append((tool, args))
 
+    tokens = _tokens(prompt)
     urls = _URL.findall(prompt)
-    images = [m for m in _IMAGE.findall(prompt)]
-    filename = (_FILENAME.findall(prompt) or ["notes.txt"])[0]
+    images = _images(tokens)
+    filename = (_filenames(tokens) or ["notes.txt"])[0]
 
     if urls and "browser_navigate" in offered:
         add("browser_navigate", {"url": urls[0]})
