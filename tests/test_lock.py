@@ -98,3 +98,21 @@ def test_lock_record_is_refreshed_while_held_and_the_kernel_lock_decides(tmp_pat
         assert probe.returncode != 0 and "in use by another batch_runner" in probe.stderr
     finally:
         lock.release()
+
+
+def test_two_runners_that_both_find_a_stale_lock_never_both_run(model_server, tmp_path):
+    """The old lock deleted a stale lock file and made a new one: two runners racing there both
+    won. With the kernel lock exactly one of them holds the directory."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows(6, latency=2.0))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _record(tmp_path / "data" / "r", pid=int(dead.stdout))
+    cmd = [sys.executable, str(REPO / "batch_runner.py"), *_args(dataset, model_server)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    runners = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    outputs = [r.communicate(timeout=120) for r in runners]
+    results = [(r.returncode, out + err) for r, (out, err) in zip(runners, outputs)]
+    assert sorted(code for code, _ in results) == [0, 1], results
+    loser = next(console for code, console in results if code == 1)
+    assert "in use by another batch_runner" in loser
+    assert _paid_rows(model_server, 6) == [1] * 6
