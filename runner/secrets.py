@@ -50,12 +50,18 @@ def register(*values: object) -> None:
             value = value.get_secret_value()
         if isinstance(value, str) and len(value) >= MIN_SECRET_LENGTH and value not in _known:
             _known.add(value)
+            # In a serialised record a value appears JSON-escaped (raw, for a plain key), and escaped
+            # twice inside a JSON text held in a string (a tool result); \u-escaped or not.
             forms: set[bytes] = set()
-            for text in (value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1]):
-                forms.add(text.encode())
-                forms.add(json.dumps(text, ensure_ascii=False)[1:-1].encode())  # escaped twice: JSON in JSON
-            _patterns.extend(forms)
+            for once in (_escaped(value, ascii_only=False), _escaped(value, ascii_only=True)):
+                forms.add(once.encode())
+                forms.add(_escaped(once, ascii_only=False).encode())
+            _patterns.extend(forms - set(_patterns))
             _patterns.sort(key=len, reverse=True)
+
+
+def _escaped(text: str, ascii_only: bool) -> str:
+    return json.dumps(text, ensure_ascii=ascii_only)[1:-1]
 
 
 def register_config(config) -> None:

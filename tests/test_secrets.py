@@ -93,3 +93,28 @@ def test_a_key_a_command_finds_anyway_is_redacted_in_records_and_console(model_s
     assert "invalid key [REDACTED]" in written and "[REDACTED]" in console
     for secret in keys.values():
         assert secret not in written and secret not in console
+
+
+def test_redaction_covers_the_escaped_forms_and_keeps_the_line_valid_json():
+    import orjson
+
+    from runner import secrets
+
+    key = 'sk-"odd"\\key-ü-' + uuid.uuid4().hex
+    secrets.register(key, "x", None)  # "x" is too short to be a secret: it must never be redacted
+    record = {"a": key, "nested": json.dumps({"output": key}), "ascii": json.dumps({"o": key}, ensure_ascii=True),
+              "x": "x marks the spot"}
+    line = secrets.redact_bytes(orjson.dumps(record))
+    back = orjson.loads(line)
+    assert back["a"] == "[REDACTED]" and back["x"] == "x marks the spot"
+    assert json.loads(back["nested"]) == {"output": "[REDACTED]"} and json.loads(back["ascii"]) == {"o": "[REDACTED]"}
+    assert secrets.redact(f"error: {key}!") == "error: [REDACTED]!"
+
+
+def test_api_key_flag_is_taken_out_of_argv_in_every_spelling():
+    from runner.secrets import _strip_api_key
+
+    for argv, value in ((["p", "--api_key=sk-1", "--x=1"], "sk-1"), (["p", "--api-key", "sk-2", "--x=1"], "sk-2"),
+                        (["p", "--api_key", "--x=1"], ""), (["p", "--x=1"], None)):
+        clean, found = _strip_api_key(argv)
+        assert clean == ["p", "--x=1"] and found == value
