@@ -77,6 +77,11 @@ def _metadata(task: dict, config: RunConfig, started: float | None, session: Ses
     }
 
 
+def _message(err: Exception) -> str:
+    """An error's text; an exception raised without one is still named (a failure line is never empty)."""
+    return str(err).strip() or type(err).__name__
+
+
 def failed_record(task: dict, config: RunConfig, error: str, error_class: str, *,
                   started: float | None = None, session: SessionModel | None = None) -> dict:
     """The record of a failed attempt: never merged into trajectories.jsonl, retried on resume."""
@@ -163,9 +168,9 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
             **common,
         }
     except ProviderError as err:
-        return failed_record(task, config, str(err), err.error_class, started=started, session=session)
+        return failed_record(task, config, _message(err), err.error_class, started=started, session=session)
     except SandboxError as err:
-        return failed_record(task, config, f"environment: {err}", "environment", started=started, session=session)
+        return failed_record(task, config, f"environment: {_message(err)}", "environment", started=started, session=session)
     except asyncio.TimeoutError:
         error = f"prompt took longer than {config.prompt_timeout:g}s"
         return failed_record(task, config, error, "timeout", started=started, session=session)

@@ -19,6 +19,8 @@ import pytest
 BUSYBOX_IMAGE = "abr-test/busybox:1"
 MARKED_IMAGE = "abr-test/busybox-marked:1"
 MARKED_CONTENT = "abr-test marked image v1\n"
+# As scratch, distroless and many busybox builds come: no /etc/passwd, so no user *name* resolves.
+NO_PASSWD_IMAGE = "abr-test/busybox-nopasswd:1"
 
 
 def unavailable(reason: str):
@@ -47,10 +49,10 @@ def ready_client():
 
 
 def ensure_test_images(client) -> None:
-    """Build abr-test/busybox:1 and abr-test/busybox-marked:1 unless they exist."""
+    """Build the test images (plain, marked, without /etc/passwd) unless they exist."""
     from docker.errors import ImageNotFound
 
-    for image, extra in ((BUSYBOX_IMAGE, {}), (MARKED_IMAGE, {"etc/abr-image": MARKED_CONTENT})):
+    for image, extra in ((BUSYBOX_IMAGE, {}), (MARKED_IMAGE, {"etc/abr-image": MARKED_CONTENT}), (NO_PASSWD_IMAGE, None)):
         try:
             client.images.get(image)
             continue
@@ -63,12 +65,13 @@ def ensure_test_images(client) -> None:
         client.images.get(image)
 
 
-def _rootfs_tar(extra_files: dict[str, str]) -> bytes:
+def _rootfs_tar(extra_files: dict[str, str] | None) -> bytes:
+    """A busybox root filesystem; `extra_files=None` leaves out /etc/passwd and /etc/group."""
     busybox = shutil.which("busybox")
     if busybox is None:
         unavailable("busybox is not installed (apt-get install -y busybox-static)")
     applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split()
-    files = {
+    files = {} if extra_files is None else {
         "etc/passwd": "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n",
         "etc/group": "root:x:0:\nnogroup:x:65534:\n",
         **extra_files,

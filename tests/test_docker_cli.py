@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, read_jsonl, run_cli, write_jsonl
-from tests.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, ready_client
+from tests.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, NO_PASSWD_IMAGE, ready_client
 
 pytestmark = pytest.mark.docker
 
@@ -74,6 +74,17 @@ def test_rows_run_in_their_own_image_and_directory(client, model_server, run_nam
         assert "written-inside" in o[2]["content"]["content"]  # read_file saw the file write_file made
     assert not (tmp_path / "out.txt").exists()  # nothing was written on the host
     assert not _containers(client, run_name)
+
+
+def test_image_without_etc_passwd_runs_its_rows(client, model_server, run_name, tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROBE + "Row in an image without /etc/passwd.",
+                                                  "image": NO_PASSWD_IMAGE, "cwd": "/srv/app"}])
+    proc = run_cli(_args(dataset, model_server, run_name), tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [row] = read_jsonl(tmp_path / "data" / run_name / "trajectories.jsonl")
+    outputs = _tool_outputs(row)
+    assert "plain-image" in outputs[0]["content"]["output"] and "/srv/app" in outputs[0]["content"]["output"]
+    assert "written-inside" in outputs[2]["content"]["content"]
 
 
 def test_missing_image_fails_its_rows_without_model_calls(client, model_server, run_name, tmp_path):

@@ -10,7 +10,7 @@ import uuid
 import pytest
 from docker.errors import NotFound
 
-from tests.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, ready_client
+from tests.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, NO_PASSWD_IMAGE, ready_client
 from tools.environments.base import SandboxError
 from tools.environments.docker import DockerConfig, DockerEnvironment
 from tools.environments.factory import create_environment
@@ -311,3 +311,32 @@ def test_reap_stale_containers(client, run_id):
                 container.remove(force=True)
             except NotFound:
                 pass
+
+
+def test_image_without_etc_passwd_works(make_env):
+    """Setup, chown and kills run as uid 0: no user name has to resolve inside the image."""
+    env = make_env(NO_PASSWD_IMAGE, cwd="/srv/app", command_timeout=1)
+    env.start()
+    try:
+        assert env.execute("ls /etc/passwd").exit_code != 0  # really no passwd file
+        assert env.execute("id -u; pwd").output.split() == ["0", "/srv/app"]
+        env.write_file("sub/out.txt", b"inside")
+        assert env.read_file("sub/out.txt") == b"inside"
+        result = env.execute("sleep 30")
+        assert result.timed_out and result.exit_code == 124
+        assert not sleeps(env)  # the kill exec (as uid 0) found and killed it
+    finally:
+        env.cleanup()
+
+
+def test_a_failed_setup_never_has_an_empty_message(make_env):
+    """A working directory that cannot be made, with a command that prints nothing, still says why."""
+    from tools.environments.docker import exec_failure
+
+    assert exec_failure(1, b"  \n", ["mkdir", "-p", "/x"]) == "exit code 1 from 'mkdir -p /x', no output"
+    env = make_env(BUSYBOX_IMAGE, cwd="/bin/sh/work")  # under a file: mkdir fails
+    with pytest.raises(SandboxError) as caught:
+        env.start()
+    message = str(caught.value)
+    assert message.startswith("could not create /bin/sh/work in ")
+    assert message.split(": ", 1)[1].strip()

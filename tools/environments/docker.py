@@ -43,8 +43,17 @@ EXEC_MARK = "ABR_EXEC_ID"
 KEEP_ALIVE = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done"
 # Set up the working directory (as root) and hand it to the image's user, if it has one.
 MAKE_WORKDIR = 'mkdir -p "$1" && { [ -z "$2" ] || chown "$2" "$1"; }'
+# Setup, chown and kills run as uid 0, not the user name "root": an image without /etc/passwd
+# (scratch, distroless, many busybox builds) cannot resolve a name, and uid 0 is root everywhere.
+ROOT = "0"
 # Runs the command with `sh -c`, its stderr sent into stdout so that the two stay in order.
 MERGED_SH = 'exec sh -c "$1" 2>&1'
+
+
+def exec_failure(code: int | None, output: bytes, command: list[str]) -> str:
+    """What a failed exec said, or, when it printed nothing, its exit code and what was run."""
+    said = output.decode(errors="replace").strip()
+    return said or f"exit code {code} from {' '.join(command)!r}, no output"
 
 
 def kill_marked_processes_script(token: str) -> str:
@@ -151,12 +160,10 @@ class DockerEnvironment:
         try:
             self._container.start()
             self._user = (self._container.attrs.get("Config") or {}).get("User") or ""
-            code, out = self._container.exec_run(
-                ["sh", "-c", MAKE_WORKDIR, "sh", self.workdir, self._user], user="root"
-            )
+            setup = ["sh", "-c", MAKE_WORKDIR, "sh", self.workdir, self._user]
+            code, out = self._container.exec_run(setup, user=ROOT)
             if code != 0:
-                message = out.decode(errors="replace").strip()
-                raise SandboxError(f"could not create {self.workdir} in '{config.image}': {message}")
+                raise SandboxError(f"could not create {self.workdir} in '{config.image}': {exec_failure(code, out, setup)}")
         except DockerException as exc:
             self.cleanup()
             raise SandboxError(f"could not start a container from '{config.image}': {exc}") from exc
@@ -239,7 +246,7 @@ class DockerEnvironment:
 
     def _kill(self, token: str) -> None:
         try:
-            self._container.exec_run(["sh", "-c", kill_marked_processes_script(token)], user="root")
+            self._container.exec_run(["sh", "-c", kill_marked_processes_script(token)], user=ROOT)
         except DockerException as exc:
             log.warning("could not kill a timed-out command in %s: %s", self.name, exc)
 
@@ -278,12 +285,13 @@ class DockerEnvironment:
             info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
             tar.addfile(info, io.BytesIO(data))
         try:
-            code, out = container.exec_run(["mkdir", "-p", parent])
+            mkdir = ["mkdir", "-p", parent]
+            code, out = container.exec_run(mkdir)
             if code != 0:
-                raise OSError(f"cannot create directory {parent}: {out.decode(errors='replace').strip()}")
+                raise OSError(f"cannot create directory {parent}: {exec_failure(code, out, mkdir)}")
             container.put_archive(parent, archive.getvalue())
             if self._user:  # put_archive writes as root; give the file to the image's user
-                container.exec_run(["chown", self._user, full], user="root")
+                container.exec_run(["chown", self._user, full], user=ROOT)
         except APIError as exc:
             self._check_alive()
             raise OSError(f"cannot write {full}: {exc.explanation or exc}") from exc
