@@ -200,6 +200,9 @@ def main(
         print(f"\n❌ Stopped: {err}.\n   The committed rows are safe; free some space (or fix the disk), "
               "then run again with --resume to finish.", file=sys.stderr)
         code = EXIT_STORAGE
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handler was in place
+        print("\n⏹️  Interrupted.", file=sys.stderr)
+        code = EXIT_INTERRUPTED
     except Exception as err:  # our bug or an OS error: one clear line, the traceback with --verbose
         print(f"\n❌ Fatal error: {type(err).__name__}: {err}", file=sys.stderr)
         if verbose:
@@ -377,6 +380,8 @@ class BatchRunner:
         self.stopping: str | None = None  # why no new prompt is started: interrupted / fatal
         self.fatal_message: str | None = None
         self._interrupts = 0
+        self._phase = "starting"  # starting -> dispatch -> finishing: what a Ctrl-C interrupts
+        self.stop_message: str | None = None  # why the run stopped early when workers keep dying
         self._bar = None
         self._monitor = None  # runner.status.RunMonitor of this invocation
 
@@ -404,6 +409,7 @@ class BatchRunner:
         # Workers start now, so their imports overlap with reading the dataset and the run directory.
         executor = self._make_executor(unavailable)
         executor.start()
+        previous_handlers = self._install_signal_handlers(executor)
         try:
             try:
                 scan = scan_dataset(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
@@ -423,6 +429,9 @@ class BatchRunner:
             except RunLockBusy as err:
                 raise UsageError(str(err)) from None
             try:
+                from runner.leftovers import clean_run_leftovers
+
+                clean_run_leftovers(self.run_dir, self.log)  # what a killed invocation left behind
                 self._prepare_run_dir()
                 store = RunStore(self.run_dir, config.run_name, config.batch_size)
                 return self._run_locked(scan, store, executor, unavailable)
@@ -436,6 +445,8 @@ class BatchRunner:
             # SIGTERM to the workers: an idle one exits at once (even mid-import, after a bad
             # dataset); one with sessions left cancels them, which removes their sandboxes.
             executor.shutdown(abandon=True)
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
 
     def _make_executor(self, unavailable: dict[str, str]):
         config = self.config
@@ -563,10 +574,12 @@ class BatchRunner:
         started = time.monotonic()
         rows_this_run = 0
         self._monitor = self._make_monitor(scan, store, done, remaining)
-        if remaining:
+        if remaining and not self.stopping:
             rows_this_run = self._execute(scan, store, executor, remaining)
-        else:
+        elif not remaining:
             print("✅ All prompts have already been processed; rebuilding the merged outputs.")
+        self._phase = "finishing"
+        executor.shutdown()  # nothing is in flight now: the workers are not needed for the merge
         store.close()
 
         print("\n📦 Combining all batch files into trajectories.jsonl...")
@@ -597,6 +610,10 @@ class BatchRunner:
             high = outlook.get("total_high_usd") or outlook.get("total_usd")
             print(f"\n{self._monitor.budget.stop_message(self.config.max_cost_scope, high)}", file=sys.stderr)
             return EXIT_BUDGET
+        if self.stopping == "workers":
+            print(f"\n❌ Stopped early: {self.stop_message}. Committed rows are safe; run again with --resume "
+                  "to finish.", file=sys.stderr)
+            return EXIT_INCOMPLETE
         if merged.failed or merged.not_run:
             print(f"\n⚠️  {merged.failed + merged.not_run} row(s) not done; run again with --resume to retry them.")
             return EXIT_INCOMPLETE
@@ -702,7 +719,7 @@ class BatchRunner:
         monitor = self._monitor
         failed_images = self._prepare_images(scan)
         counts = {"ok": 0, "failed": 0, "discarded": 0, "retries": 0}
-        self._install_signal_handlers(executor)
+        self._phase = "dispatch"
         print(f"\n🚀 Running {remaining:,} prompts: {executor.describe()}\n")
         tasks = self._tasks(scan, store, failed_images)
         exhausted = False
@@ -738,6 +755,9 @@ class BatchRunner:
                     monitor.on_abandoned()
                     break
                 records = immediate + (executor.poll(0.2) if executor.in_flight() else [])
+                if getattr(executor, "stop_reason", None) and not self.stopping:
+                    self.stopping, self.stop_message = "workers", executor.stop_reason
+                    self.log(f"⛔ {self.stop_message}: no new prompts will be started.")
                 if records:
                     store.commit(records)
                     committed += len(records)
@@ -749,8 +769,6 @@ class BatchRunner:
         finally:
             self._bar.close()
             self._bar = None
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         return committed
 
     def _after_commit(self, records: list[dict], counts: dict) -> None:
@@ -773,23 +791,35 @@ class BatchRunner:
         self._bar.set_postfix(counts, refresh=False)
         self._bar.update(len(records))
 
-    def _install_signal_handlers(self, executor) -> None:
+    def _install_signal_handlers(self, executor) -> dict:
+        """Ctrl-C / SIGTERM, from the start of the run to its end; returns the handlers they replace.
+
+        The first signal stops the run the gentle way: no new prompts, in-flight ones get the grace
+        period, then the merge, statistics and report as usual (exit 130). A second one quits at
+        once, wherever the run is (the merge included): every committed line is already fsynced,
+        and every output file is replaced atomically, so each is either its old or its new version;
+        the next start removes the temp files this leaves.
+        """
         def on_signal(signum, frame):
             self._interrupts += 1
             if self._interrupts == 1:
-                self.stopping = "interrupted"
-                self.log(
-                    f"\n⏸️  Stopping: no new prompts; waiting up to {self.config.grace_period:g}s for "
-                    f"{executor.in_flight()} in-flight prompt(s). Press Ctrl-C again to quit at once."
-                )
+                if not self.stopping:
+                    self.stopping = "interrupted"
+                if self._phase == "dispatch":
+                    self.log(
+                        f"\n⏸️  Stopping: no new prompts; waiting up to {self.config.grace_period:g}s for "
+                        f"{executor.in_flight()} in-flight prompt(s). Press Ctrl-C again to quit at once."
+                    )
+                elif self._phase == "finishing":
+                    self.log("\n⏸️  Stopping: writing the merged outputs first. Press Ctrl-C again to quit at once.")
+                else:
+                    self.log("\n⏸️  Stopping: no prompt will be started. Press Ctrl-C again to quit at once.")
                 return
-            # Second signal: leave now. Every committed line is already fsynced.
             executor.terminate()
-            print("\n⏹️  Quit at once; committed rows are safe. Run again with --resume.", file=sys.stderr)
+            print("\n⏹️  Quit at once; committed rows are safe. Run again with --resume.", file=sys.stderr, flush=True)
             os._exit(EXIT_INTERRUPTED)
 
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
+        return {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _spend_before(run_dir: Path) -> tuple[float, int, int]:

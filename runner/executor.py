@@ -4,14 +4,23 @@ The parent hands each worker at most as many rows as it has session slots, so it
 which rows are in flight where: when a worker dies, its rows come back as failed records (retried
 on resume) instead of vanishing. Results return in completion order; scheduling is per row, so a
 slow prompt holds one slot, never a batch.
+
+Each worker has its own pipe to the parent, used for nothing else: tasks go down it, records and
+log lines come back. A shared queue would let a worker killed halfway through a large message
+leave the reader waiting forever for the rest; on a pipe of its own, a dead worker's half-sent
+message ends in end-of-file, which reads as that worker's death. The same pipe tells the worker
+that the parent died: its end reads end-of-file too, whatever killed the parent.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
+import pickle
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 
 from runner.config import RunConfig
 from runner.worker import failed_record, worker_main
@@ -19,11 +28,33 @@ from runner.worker import failed_record, worker_main
 
 @dataclass
 class _Worker:
+    slot: int
     process: mp.Process
-    tasks: object  # mp.Queue
+    conn: object  # multiprocessing Connection: tasks down, ("result" | "log", payload) up
     slots: int
-    restarts: int = 0
     in_flight: dict[str, dict] = field(default_factory=dict)  # row key -> task
+    broken: bool = False  # its pipe ended (EOF, or a message cut short): the worker is dead or dying
+    retired: bool = False  # its slot died too often in a short time and is not restarted
+
+
+class DeathWindow:
+    """The deaths of one worker slot in a sliding time window.
+
+    Deaths spread over hours (an OOM kill now and then) are part of a long run; many deaths in a
+    short time are a crash loop, and restarting the worker again would only spin.
+    """
+
+    def __init__(self, limit: int, window: float, clock=time.monotonic):
+        self.limit, self.window, self.clock = limit, window, clock
+        self.deaths: deque[float] = deque()
+
+    def record(self) -> bool:
+        """Note one death; True when `limit` deaths fell within the last `window` seconds."""
+        now = self.clock()
+        self.deaths.append(now)
+        while self.deaths and now - self.deaths[0] > self.window:
+            self.deaths.popleft()
+        return len(self.deaths) >= self.limit
 
 
 def lost_row_record(task: dict, config: RunConfig, error: str, error_class: str = "agent") -> dict:
@@ -32,7 +63,10 @@ def lost_row_record(task: dict, config: RunConfig, error: str, error_class: str 
 
 
 class ProcessExecutor:
-    MAX_RESTARTS = 5  # per worker slot: past this a crash loop stops the run instead of spinning
+    CRASH_LOOP_DEATHS = 5  # deaths of one worker slot ...
+    CRASH_LOOP_WINDOW = 60.0  # ... within this many seconds stop the run instead of spinning
+    DRAIN_LIMIT = 2000  # messages read from one worker per poll, so one busy worker cannot starve the rest
+
     def __init__(self, config: RunConfig, unavailable: dict[str, str], sessions: int, processes: int, log=print):
         self.config = config
         self.unavailable = unavailable
@@ -45,71 +79,103 @@ class ProcessExecutor:
         # model SDK per run instead of one per process, and workers ready sooner.
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["runner.worker", "agent.model_client", "openai"])
-        self.results = self._ctx.Queue()
         self.workers: list[_Worker] = []
+        self._deaths = [DeathWindow(self.CRASH_LOOP_DEATHS, self.CRASH_LOOP_WINDOW) for _ in self.slot_plan]
+        self.stop_reason: str | None = None  # set when workers keep dying: the run should stop
         self._closed = False
 
     def describe(self) -> str:
         return f"{sum(self.slot_plan)} sessions on {len(self.slot_plan)} process(es)"
 
     def start(self) -> None:
-        for worker_id, slots in enumerate(self.slot_plan):
-            self.workers.append(self._spawn(worker_id, slots))
+        for slot, sessions in enumerate(self.slot_plan):
+            self.workers.append(self._spawn(slot, sessions))
 
-    def _spawn(self, worker_id: int, slots: int) -> _Worker:
-        tasks = self._ctx.Queue()
+    def _spawn(self, slot: int, sessions: int) -> _Worker:
+        ours, theirs = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=worker_main,
-            args=(worker_id, self.config, self.unavailable, slots, tasks, self.results),
-            name=f"abr-worker-{worker_id}",
+            args=(slot, self.config, self.unavailable, sessions, theirs),
+            name=f"abr-worker-{slot}",
             daemon=True,
         )
         process.start()
-        return _Worker(process, tasks, slots)
+        theirs.close()  # only the worker holds its end now, so its death reads as end-of-file here
+        return _Worker(slot, process, ours, sessions)
+
+    def _live(self) -> list[_Worker]:
+        return [w for w in self.workers if not w.retired]
 
     def free_slots(self) -> int:
-        return sum(w.slots - len(w.in_flight) for w in self.workers)
+        return sum(w.slots - len(w.in_flight) for w in self._live() if not w.broken)
 
     def in_flight(self) -> int:
         return sum(len(w.in_flight) for w in self.workers)
 
     def submit(self, task: dict) -> None:
-        worker = max(self.workers, key=lambda w: w.slots - len(w.in_flight))
-        worker.in_flight[task["key"]] = task
-        worker.tasks.put(task)
+        worker = max((w for w in self._live() if not w.broken), key=lambda w: w.slots - len(w.in_flight))
+        worker.in_flight[task["key"]] = task  # before sending: if the worker is dead, the row fails below
+        try:
+            worker.conn.send(task)
+        except OSError:
+            worker.broken = True  # the next poll reaps it and fails its rows
 
     def poll(self, timeout: float) -> list[dict]:
         """Records that finished since the last call (waits up to `timeout` for the first)."""
+        live = [w for w in self._live() if not w.broken]
         records: list[dict] = []
-        deadline = time.monotonic() + timeout
-        while True:
-            wait = 0.0 if records else max(0.0, deadline - time.monotonic())
-            try:
-                kind, worker_id, payload = self.results.get(timeout=wait) if wait else self.results.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "result":
-                self.workers[worker_id].in_flight.pop(payload["metadata"]["row_key"], None)
-                records.append(payload)
-            elif kind == "log":
-                self.log(payload)
+        ready = set(wait([w.conn for w in live] + [w.process.sentinel for w in live], timeout))
+        for worker in live:
+            if worker.conn in ready:
+                self._drain(worker, records)
         records.extend(self._reap_dead_workers())
         return records
 
+    def _drain(self, worker: _Worker, records: list[dict] | None) -> None:
+        """Read the worker's complete messages; end-of-file or a message cut short marks it broken."""
+        for _ in range(self.DRAIN_LIMIT):
+            try:
+                if not worker.conn.poll():
+                    return
+                kind, payload = worker.conn.recv()
+            except (EOFError, OSError, pickle.UnpicklingError):
+                worker.broken = True
+                return
+            if kind == "result":
+                worker.in_flight.pop(payload["metadata"]["row_key"], None)
+                if records is not None:
+                    records.append(payload)
+            elif kind == "log":
+                self.log(payload)
+
     def _reap_dead_workers(self) -> list[dict]:
         lost: list[dict] = []
-        for worker_id, worker in enumerate(self.workers):
-            if worker.process.is_alive():
+        for worker in self._live():
+            if not worker.broken and worker.process.is_alive():
                 continue
+            if worker.process.is_alive():  # its pipe broke under it: whatever it still does is lost
+                worker.process.kill()
+            worker.process.join(5.0)
+            if not worker.broken:  # it died with whole messages still in the pipe: take them first
+                self._drain(worker, lost)
             code = worker.process.exitcode
-            for task in worker.in_flight.values():
+            tasks = list(worker.in_flight.values())
+            for task in tasks:
                 lost.append(lost_row_record(task, self.config, f"worker process died (exit code {code})"))
-            self.log(f"⚠️  Worker {worker_id} died (exit code {code}); {len(worker.in_flight)} row(s) failed, restarting it")
-            if worker.restarts >= self.MAX_RESTARTS:
-                raise RuntimeError(f"worker {worker_id} died {worker.restarts + 1} times (last exit code {code})")
-            replacement = self._spawn(worker_id, worker.slots)
-            replacement.restarts = worker.restarts + 1
-            self.workers[worker_id] = replacement
+            worker.in_flight.clear()
+            worker.conn.close()
+            _clean_after_worker(self.config, tasks, self.log)
+            if self._deaths[worker.slot].record():
+                worker.retired = True
+                self.stop_reason = (
+                    f"worker process {worker.slot} died {self.CRASH_LOOP_DEATHS} times within "
+                    f"{self.CRASH_LOOP_WINDOW:g}s (last exit code {code})"
+                )
+                self.log(f"⚠️  Worker {worker.slot} died (exit code {code}); {len(tasks)} row(s) failed; "
+                         f"it keeps dying, so it is not restarted")
+                continue
+            self.log(f"⚠️  Worker {worker.slot} died (exit code {code}); {len(tasks)} row(s) failed, restarting it")
+            self.workers[self.workers.index(worker)] = self._spawn(worker.slot, worker.slots)
         return lost
 
     def shutdown(self, abandon: bool = False, timeout: float = 15.0) -> None:
@@ -117,17 +183,29 @@ class ProcessExecutor:
         if self._closed:
             return
         self._closed = True
-        for worker in self.workers:
-            if abandon and worker.process.is_alive():
+        workers = [w for w in self.workers if w.process.is_alive()]
+        for worker in workers:
+            if abandon:
                 worker.process.terminate()  # SIGTERM: the worker cancels its sessions and cleans up
             else:
-                worker.tasks.put(None)
+                try:
+                    worker.conn.send(None)
+                except OSError:
+                    worker.process.terminate()
         deadline = time.monotonic() + timeout
+        while any(w.process.is_alive() for w in workers) and time.monotonic() < deadline:
+            # Keep reading while they stop, so none waits on a full pipe (what comes now is not committed).
+            pipes = [w.conn for w in workers if not w.broken and not w.conn.closed]
+            ready = set(wait(pipes + [w.process.sentinel for w in workers], min(0.5, max(0.0, deadline - time.monotonic()))))
+            for worker in workers:
+                if worker.conn in ready:
+                    self._drain(worker, None)
         for worker in self.workers:
-            worker.process.join(max(0.1, deadline - time.monotonic()))
             if worker.process.is_alive():
                 worker.process.kill()
-                worker.process.join(1.0)
+            worker.process.join(1.0)
+            if not worker.conn.closed:
+                worker.conn.close()
         _stop_fork_server()
 
     def terminate(self) -> None:
@@ -135,6 +213,14 @@ class ProcessExecutor:
         for worker in self.workers:
             if worker.process.is_alive():
                 worker.process.terminate()
+
+
+def _clean_after_worker(config: RunConfig, tasks: list[dict], log) -> None:
+    """A dead worker could not clean up after its sessions: do it here, off the dispatch loop."""
+    from runner.leftovers import clean_task_leftovers
+
+    threading.Thread(target=clean_task_leftovers, args=(config.tools, [t["task_id"] for t in tasks], log),
+                     name="abr-reaper", daemon=True).start()
 
 
 def _stop_fork_server() -> None:

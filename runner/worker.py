@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import random
 import signal
 import sys
@@ -184,17 +185,40 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
 
 # --- the worker process ---------------------------------------------------------------------
 
+HARD_EXIT_AFTER = 3.0  # seconds an orphaned worker may spend removing its sessions' sandboxes
 
-def worker_main(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, tasks, results) -> None:
-    """Entry point of a worker process: serve tasks from `tasks` until a None arrives."""
+
+def worker_main(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, conn) -> None:
+    """Entry point of a worker process: serve tasks from the parent's pipe until a None arrives.
+
+    `conn` is this worker's own pipe to the parent: tasks come down it, ("result", record) and
+    ("log", text) go up. End-of-file on it means the parent died: the worker then cancels its
+    sessions (which removes their sandboxes) and exits within HARD_EXIT_AFTER seconds.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides how to stop on Ctrl-C
     _die_with_parent()
-    asyncio.run(_serve(worker_id, config, unavailable, sessions, tasks, results))
+    asyncio.run(_serve(worker_id, config, unavailable, sessions, conn))
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to send us SIGTERM when our parent (the fork server, which exits with the runner)
-    dies; the watchdog below covers other systems."""
+    """Make the fork server exit with the runner, and this worker with the fork server.
+
+    Every forked worker inherits the write end of the fork server's "alive" pipe; the fork server
+    exits only when all of them are closed, so as long as a worker holds one, a runner killed with
+    SIGKILL leaves the fork server running, and the fork server keeps its workers. Closing our copy
+    leaves the runner as its only holder. PR_SET_PDEATHSIG then sends us SIGTERM when the fork
+    server (our parent) goes; the pipe to the runner is the main signal, this is the second one.
+    """
+    try:
+        from multiprocessing import forkserver
+
+        server = getattr(forkserver, "_forkserver", None)
+        fd = getattr(server, "_forkserver_alive_fd", None)  # private, hence guarded
+        if fd is not None:
+            os.close(fd)
+            server._forkserver_alive_fd = None
+    except OSError:
+        pass
     try:
         import ctypes
 
@@ -203,47 +227,70 @@ def _die_with_parent() -> None:
         pass
 
 
-async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, tasks, results) -> None:
+async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, conn) -> None:
     loop = asyncio.get_running_loop()
-    parent = os.getppid()
     inbox: asyncio.Queue = asyncio.Queue()
+    outbox: queue.SimpleQueue = queue.SimpleQueue()  # sent in order by one thread, off the event loop
     verbose = config.verbose
 
     def log(text: str) -> None:
         if verbose:
-            results.put(("log", worker_id, text))
+            outbox.put(("log", text))
 
     runtime = WorkerRuntime(config, unavailable, sessions, log)
     running: set[asyncio.Task] = set()
 
-    def read_tasks() -> None:  # mp.Queue.get blocks, so it lives in its own thread
-        while True:
-            item = tasks.get()
-            loop.call_soon_threadsafe(inbox.put_nowait, item)
-            if item is None:
-                return
-
-    def stop_now() -> None:  # SIGTERM: cancel sessions; their finally blocks remove sandboxes
+    def stop_now() -> None:  # cancel sessions; their finally blocks remove sandboxes
         for t in list(running):
             t.cancel()
         inbox.put_nowait(None)
+
+    def parent_gone() -> None:  # nobody would commit our results: stop paying for them now
+        timer = threading.Timer(HARD_EXIT_AFTER, os._exit, (0,))
+        timer.daemon = True
+        timer.start()
+        stop_now()
+
+    def call_soon(fn, *args) -> None:  # from a thread; the loop may be closed by now
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
+
+    def read_tasks() -> None:  # Connection.recv blocks, so it lives in its own thread
+        while True:
+            try:
+                item = conn.recv()
+            except (EOFError, OSError):  # the parent's end is closed: it died
+                call_soon(parent_gone)
+                return
+            call_soon(inbox.put_nowait, item)
+            if item is None:
+                return
+
+    def send_results() -> None:  # one sender, so messages never interleave on the pipe
+        while (item := outbox.get()) is not None:
+            try:
+                conn.send(item)
+            except OSError:
+                call_soon(parent_gone)
+                return
 
     loop.add_signal_handler(signal.SIGTERM, stop_now)
     # Blocking work (sandbox start, commands, cleanup) runs in threads: one per session, so a
     # session never waits for another's thread (the default pool has only CPU count + 4).
     loop.set_default_executor(ThreadPoolExecutor(max_workers=sessions + 4, thread_name_prefix="abr-io"))
-    threading.Thread(target=read_tasks, daemon=True).start()
+    threading.Thread(target=read_tasks, name="abr-tasks", daemon=True).start()
+    sender = threading.Thread(target=send_results, name="abr-results", daemon=True)
+    sender.start()
 
     async def handle(task: dict) -> None:
-        record = await process_row(task, runtime)
-        results.put(("result", worker_id, record))
+        try:
+            record = await process_row(task, runtime)
+        except Exception as err:  # never leave the parent waiting for a row that has no answer
+            record = failed_record(task, config, f"worker error: {type(err).__name__}: {err}", "agent")
+        outbox.put(("result", record))
 
-    async def watch_parent() -> None:
-        while os.getppid() == parent:
-            await asyncio.sleep(1.0)
-        stop_now()  # orphaned: the parent died, nobody would commit our results
-
-    watchdog = asyncio.create_task(watch_parent())
     while True:
         task = await inbox.get()
         if task is None:
@@ -253,7 +300,8 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
         job.add_done_callback(running.discard)
     if running:
         await asyncio.gather(*running, return_exceptions=True)
-    watchdog.cancel()
+    outbox.put(None)
+    await asyncio.to_thread(sender.join, 10.0)  # every result reaches the parent before we exit
     await runtime.client.close()
     if "tools.browser_tools" in sys.modules:  # only if a session used the browser in this process
         await sys.modules["tools.browser_tools"].shutdown_browser()

@@ -34,6 +34,9 @@ _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE
 # Every process a session starts inherits this marker, so cleanup() finds them all, even ones that
 # left our process group (setsid, daemons), without ever touching another session's processes.
 _MARKER_VAR = "ABR_LOCAL_SESSION"
+# ... and the task it runs for ("<run id>-p<row>-a<attempt>"), so that what a dead worker or a killed
+# run left running can be found after the fact (runner/leftovers.py) by task or by run.
+_TASK_VAR = "ABR_TASK_ID"
 
 
 class LocalConfig(BaseModel):
@@ -73,8 +76,7 @@ class LocalEnvironment:
             else:
                 root = os.path.realpath(cfg.workdir_root or tempfile.gettempdir())
                 os.makedirs(root, exist_ok=True)
-                prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", cfg.task_id)[:80] + "-"
-                self.workdir = self._workdir_root = tempfile.mkdtemp(prefix=prefix, dir=root)
+                self.workdir = self._workdir_root = tempfile.mkdtemp(prefix=workdir_prefix(cfg.task_id), dir=root)
                 self._owns_workdir = True
                 if cfg.cwd:  # bwrap: the row's cwd is a folder inside the sandbox's own workdir
                     if os.path.isabs(cfg.cwd) or ".." in cfg.cwd.split("/"):
@@ -136,6 +138,7 @@ class LocalEnvironment:
         else:
             env = {k: v for k, v in os.environ.items() if not _SECRET_NAME.search(k)}
         env[_MARKER_VAR] = self._marker
+        env[_TASK_VAR] = self.config.task_id
         return env
 
     def execute(self, command: str, *, cwd: str | None = None, timeout: float | None = None) -> ExecResult:
@@ -242,6 +245,46 @@ def _sandbox_env() -> dict[str, str]:
         if os.environ.get(name):
             env[name] = os.environ[name]
     return env
+
+
+def workdir_prefix(task_id: str) -> str:
+    """How the working directories of a task's sessions are named (then a random suffix)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", task_id)[:80] + "-"
+
+
+def kill_task_processes(belongs) -> int:
+    """SIGKILL every process of ours whose task marker satisfies `belongs(task_id)`: what sessions
+    left running when their worker or their run was killed. Returns how many were killed."""
+    key = _TASK_VAR.encode() + b"="
+    killed: set[int] = set()
+    for _ in range(10):  # repeat: a process may fork while we are killing its parent
+        found = []
+        for pid in _all_pids():
+            task = next((e[len(key):] for e in _environ_bytes(pid).split(b"\0") if e.startswith(key)), None)
+            if task is not None and pid != os.getpid() and belongs(task.decode(errors="replace")):
+                found.append(pid)
+        if not found:
+            break
+        for pid in found:
+            _signal(pid)
+            killed.add(pid)
+        time.sleep(0.05)
+    return len(killed)
+
+
+def remove_workdirs(root: str | None, prefix: str) -> int:
+    """Remove the per-prompt working directories in `root` (default: the temp dir) named `prefix*`."""
+    root = os.path.realpath(root or tempfile.gettempdir())
+    removed = 0
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return 0
+    for entry in entries:
+        if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, onerror=_force_remove)
+            removed += 1
+    return removed
 
 
 class _Capture:
