@@ -53,6 +53,12 @@ def _start(dataset, server, cwd, resume: bool, stdout=subprocess.DEVNULL) -> sub
                             env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
 
 
+def _wait_for_requests(server, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.count() < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _first_requests(server) -> Counter:
     """How many times each prompt's opening request reached the server (no assistant turn yet)."""
     counts = Counter()
@@ -133,7 +139,7 @@ def test_ctrl_c_stops_gracefully_then_resume_finishes(tmp_path, model_server):
     rows = [{"prompt": f"@latency 0.3\n@tool terminal {{\"command\": \"echo {i}\"}}\nSlow prompt {i}."} for i in range(60)]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
     proc = _start(dataset, model_server, tmp_path, resume=False, stdout=subprocess.PIPE)
-    time.sleep(2.5)
+    _wait_for_requests(model_server, 16)  # mid-run, however long a loaded machine takes to start it
     os.kill(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
@@ -191,7 +197,7 @@ def test_second_ctrl_c_quits_at_once_and_loses_nothing(tmp_path, model_server):
             for i in range(40)]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
     proc = _start(dataset, model_server, tmp_path, resume=False, stdout=subprocess.PIPE)
-    time.sleep(5)
+    _wait_for_requests(model_server, 16)
     os.kill(proc.pid, signal.SIGINT)
     time.sleep(0.5)
     stopped = time.monotonic()
