@@ -126,7 +126,7 @@ def sandbox_cwd_error(cwd: str | None) -> str | None:
     the host writable, so it must be a folder inside the sandbox's own working directory."""
     if cwd is None:
         return None
-    if not cwd.strip() or cwd.startswith("/") or ".." in cwd.split("/"):
+    if cwd.startswith("/") or ".." in cwd.split("/"):
         return f"'cwd' must be a relative path without '..' under --sandbox=bwrap (a folder in the sandbox's own workdir), got {cwd!r}"
     return None
 

@@ -85,3 +85,17 @@ def test_root_without_sandbox_is_told_at_start(model_server, tmp_path):
         proc = run_cli(_args(dataset, model_server, "--sandbox=bwrap", "--overwrite"), tmp_path)
         assert proc.returncode == 0, proc.stderr
         assert "Running as root" not in proc.stdout
+
+
+@needs_bwrap
+def test_the_environment_itself_refuses_an_absolute_cwd_under_bwrap(tmp_path):
+    """Validation refuses such rows; the sandbox refuses them too (Ray nodes, library callers)."""
+    from tools.environments.base import SandboxError
+    from tools.environments.local import LocalConfig, LocalEnvironment
+
+    for cwd in ("/", str(tmp_path), "a/../../b"):
+        env = LocalEnvironment(LocalConfig(task_id="t", workdir_root=str(tmp_path), cwd=cwd, sandbox="bwrap"))
+        with pytest.raises(SandboxError, match="relative path"):
+            env.start()
+        env.cleanup()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing left behind
