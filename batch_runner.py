@@ -369,9 +369,21 @@ def build_config(**flags: Any):
 
 
 class BatchRunner:
-    """Owns the run directory for one invocation: validate, resume, dispatch, commit, finalize."""
+    """Owns the run directory for one invocation: validate, resume, dispatch, commit, finalize.
 
-    def __init__(self, config, *, resume: bool = False, overwrite: bool = False, allow_config_change: bool = False):
+    Two ways to build one: `BatchRunner(config)` with a RunConfig (as main() does), or the
+    original's keywords, `BatchRunner(dataset_file=..., batch_size=..., run_name=...,
+    max_iterations=..., ...)` then `.run(resume=...)` (see runner/original_api.py).
+    """
+
+    def __init__(self, config=None, *, resume: bool = False, overwrite: bool = False, allow_config_change: bool = False,
+                 **original_keywords: Any):
+        if config is None:
+            from runner.original_api import config_from_original
+
+            config = config_from_original(original_keywords)
+        elif original_keywords:
+            raise TypeError("BatchRunner() takes a RunConfig or the original's keywords, not both")
         self.config = config
         self.resume = resume
         self.overwrite = overwrite
@@ -395,7 +407,10 @@ class BatchRunner:
 
     # --- the run --------------------------------------------------------------------------
 
-    def run(self) -> int:
+    def run(self, resume: bool | None = None) -> int:
+        """Run (or, with resume=True, continue) the run; returns the exit code (0 every row done)."""
+        if resume is not None:
+            self.resume = bool(resume)
         from runner.dataset import DatasetError, scan_dataset
         from runner.lock import RunLock, RunLockBusy
         from runner.secrets import register_config

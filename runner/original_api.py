@@ -1,0 +1,71 @@
+"""The original's Python API: `BatchRunner(dataset_file=..., batch_size=..., ...).run(resume=...)`.
+
+Scripts written for the original build the runner with its constructor's keywords and defaults
+(which differ from the CLI's: `max_iterations`, not `max_turns`; model `claude-opus-4-20250514`;
+lists and dicts instead of comma strings and files). This module turns those keywords into our
+RunConfig through the same validation as the command line. Our own flags (`output_dir`, `seed`,
+`terminal_env`, ...) are accepted as keywords too.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+# The original constructor's parameters and defaults (reference §1.2, §3).
+ORIGINAL_DEFAULTS: dict[str, Any] = {
+    "dataset_file": None,
+    "batch_size": None,
+    "run_name": None,
+    "distribution": "default",
+    "max_iterations": 10,
+    "base_url": None,
+    "api_key": None,
+    "model": "claude-opus-4-20250514",
+    "num_workers": 4,
+    "verbose": False,
+    "ephemeral_system_prompt": None,
+    "log_prefix_chars": 100,
+    "providers_allowed": None,
+    "providers_ignored": None,
+    "providers_order": None,
+    "provider_sort": None,
+    "openrouter_min_coding_score": None,
+    "max_tokens": None,
+    "reasoning_config": None,
+    "prefill_messages": None,
+    "max_samples": None,
+}
+# CLI-only switches that make no sense on a constructor (run() and its resume take their place).
+_NOT_CONSTRUCTOR = {"list_distributions", "report", "resume", "overwrite", "allow_config_change"}
+
+
+def config_from_original(keywords: dict[str, Any]):
+    """A RunConfig from the original constructor's keywords (plus any of our flags)."""
+    import batch_runner
+
+    cli_defaults = {name: p.default for name, p in inspect.signature(batch_runner.main).parameters.items()}
+    unknown = sorted(set(keywords) - set(ORIGINAL_DEFAULTS) - (set(cli_defaults) - _NOT_CONSTRUCTOR))
+    if unknown:
+        raise TypeError(f"BatchRunner() got unexpected keyword argument(s): {', '.join(unknown)}")
+    given = {**ORIGINAL_DEFAULTS, **keywords}
+    if given.pop("openrouter_min_coding_score") is not None:
+        raise batch_runner.UsageError("openrouter_min_coding_score is not supported (no pareto-router plugin)")
+    reasoning = given.pop("reasoning_config")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise batch_runner.UsageError(f"reasoning_config must be a dict such as {{'effort': 'high'}} (got {reasoning!r})")
+    prefill = given.pop("prefill_messages") or []
+    if not isinstance(prefill, list) or not all(
+        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
+        for m in prefill
+    ):
+        raise batch_runner.UsageError("prefill_messages must be a list of {'role', 'content'} dicts")
+    flags = {name: value for name, value in cli_defaults.items() if name not in _NOT_CONSTRUCTOR}
+    flags["max_turns"] = given.pop("max_iterations")
+    if given["base_url"] is None:  # the original then used the OpenRouter endpoint too
+        given["base_url"] = cli_defaults["base_url"]
+    flags.update(given)
+    config = batch_runner.build_config(**flags)
+    config.reasoning = reasoning
+    config.prefill_messages = prefill
+    return config
