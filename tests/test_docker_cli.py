@@ -149,3 +149,63 @@ def test_ctrl_c_removes_containers_of_abandoned_prompts(client, model_server, ru
     while _containers(client, run_name) and time.monotonic() < deadline:
         time.sleep(0.3)
     assert not _containers(client, run_name)
+
+
+def _kill_group(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _fork_server_children(runner_pid: int) -> list:
+    import psutil
+
+    for child in psutil.Process(runner_pid).children():
+        if "forkserver" in " ".join(child.cmdline()):
+            return child.children()
+    return []
+
+
+def test_sigkill_of_the_runner_alone_removes_its_containers(client, model_server, run_name, tmp_path):
+    """Issue 11 item 1: with only the runner killed, its workers see it die and remove their
+    sessions' containers themselves, at once (not at the next start)."""
+    rows = [{"prompt": f'@tool terminal {{"command": "sleep 60"}}\nOrphan {i}.', "image": BUSYBOX_IMAGE} for i in range(2)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = subprocess.Popen([sys.executable, str(REPO / "batch_runner.py"), *_args(dataset, model_server, run_name)],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    try:
+        _wait_for_containers(client, run_name, 2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 10
+        while _containers(client, run_name) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert not _containers(client, run_name)
+    finally:
+        _kill_group(proc)
+
+
+def test_containers_of_a_killed_worker_are_removed_mid_run(client, model_server, run_name, tmp_path):
+    """Issue 11 item 9: a worker killed with SIGKILL cannot remove its containers; the parent
+    reaps them as soon as it sees the death, while the run goes on."""
+    rows = [{"prompt": f'@tool terminal {{"command": "sleep 60"}}\nDoomed {i}.', "image": BUSYBOX_IMAGE} for i in range(2)]
+    rows += [{"prompt": f"@latency 3\nLater {i}.", "image": BUSYBOX_IMAGE} for i in range(2)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = subprocess.Popen([sys.executable, str(REPO / "batch_runner.py"),
+                             *_args(dataset, model_server, run_name, "--num_workers=2", "--num_processes=1")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    try:
+        doomed = _wait_for_containers(client, run_name, 2)
+        _fork_server_children(proc.pid)[0].kill()
+        deadline = time.monotonic() + 15
+        while {c.id for c in _containers(client, run_name)} & {c.id for c in doomed} and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert not {c.id for c in _containers(client, run_name)} & {c.id for c in doomed}
+        assert proc.poll() is None  # removed while the run still runs, not by the next start
+        out, err = proc.communicate(timeout=120)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 2, out + err

@@ -264,3 +264,31 @@ def test_two_ctrl_c_during_the_merge_exit_130_without_traceback(tmp_path, model_
     assert resume.returncode == 0, err
     assert [t["prompt_index"] for t in read_jsonl(target)] == list(range(120))
     assert not list(run_dir.glob(".trajectories_*.tmp"))
+
+
+def test_parent_cleans_up_after_a_worker_killed_mid_run(tmp_path, model_server):
+    """Item 9, mid-run: a worker killed with SIGKILL cannot stop its sessions' commands (they run
+    in sessions of their own) nor remove their working directories; the parent does it as soon as
+    it sees the death, and the run goes on (the worker is replaced)."""
+    marker = f"orphan-{os.getpid()}-{time.monotonic_ns()}"
+    rows = [{"prompt": f'@tool terminal {{"command": "sleep 120 # {marker}"}}\nA long command.'}]
+    rows += [{"prompt": f"@latency 0.3\nQuick prompt #{i}."} for i in range(6)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _start(dataset, model_server, tmp_path, "--num_workers=2", "--num_processes=1")
+    try:
+        assert _wait_for(lambda: _processes_with(f"sleep 120 # {marker}"), 60)
+        sleepers = _processes_with(f"sleep 120 # {marker}")
+        run_id = _run_id(tmp_path / "data" / "p")
+        workdirs = list(Path(tempfile.gettempdir()).glob(f"{run_id}-p0-*"))
+        assert workdirs
+        _workers(proc.pid)[0].kill()
+        assert _wait_for(lambda: not _alive(sleepers), 10), "the dead worker's command still runs"
+        assert _wait_for(lambda: not [p for p in workdirs if p.exists()], 10)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        _kill_group(proc)
+        for p in _alive(locals().get("sleepers", [])):
+            p.kill()
+    assert proc.returncode == 2, err  # the long row failed with its worker; the others ran
+    stats = json.loads((tmp_path / "data" / "p" / "statistics.json").read_text())
+    assert stats["outcomes"]["failed"] >= 1 and stats["outcomes"]["ok"] + stats["outcomes"]["failed"] == 7
