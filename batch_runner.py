@@ -8,7 +8,8 @@ Outputs go to <output_dir>/<run_name>/: batch_N.jsonl (committed rows), checkpoi
 config.json, trajectories.jsonl and statistics.json. See README.md for every flag.
 
 Exit codes: 0 every row done; 1 bad input or configuration; 2 finished with failed or unrun rows
-(run again with --resume); 3 stopped early by a fatal provider error (auth or quota);
+(run again with --resume); 3 stopped early: the provider cannot serve the run (auth, quota, an
+unreachable endpoint, --max_tokens too small for every first reply);
 4 stopped at the cost budget (--max_cost); 5 stopped on a storage error (disk full: committed rows are
 safe); 130 interrupted (Ctrl-C / SIGTERM).
 """
@@ -396,6 +397,7 @@ class BatchRunner:
         self.stop_message: str | None = None  # why the run stopped early when workers keep dying
         self._bar = None
         self._monitor = None  # runner.status.RunMonitor of this invocation
+        self._streaks: dict[str, int] = {}  # failure class -> rows in a row that failed with it
 
     # --- logging that does not tear the progress bar --------------------------------------
 
@@ -437,6 +439,7 @@ class BatchRunner:
                 raise UsageError(f"{config.dataset_file}: no valid rows")
             self._print_header(scan)
             self._warn_if_not_isolated()
+            self._probe_endpoint()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             lock = RunLock(self.run_dir)
             try:
@@ -786,6 +789,31 @@ class BatchRunner:
             self._bar = None
         return committed
 
+    def _probe_endpoint(self) -> None:
+        """One cheap request before anything is written: an unreachable endpoint or a refused key
+        stops here (exit 1), named, instead of failing every row after minutes of retries."""
+        from agent.model_client import probe_endpoint
+
+        config = self.config
+        if config.model == "mock" or not config.base_url:
+            return
+        problem = probe_endpoint(config.base_url, config.api_key.get_secret_value() if config.api_key else None)
+        if problem:
+            raise UsageError(f"{problem}; nothing was started")
+
+    def _repeated_failure(self, cls: str | None, error: str) -> str | None:
+        """Why the run must stop when the same failure comes back row after row, else None: every
+        row of a recent window failed to connect, or had its first reply cut at --max_tokens."""
+        streaks = self._streaks
+        for name in ("connection", "truncated"):
+            streaks[name] = streaks.get(name, 0) + 1 if cls == name else 0
+        if cls == "connection" and streaks[cls] >= max(3, min(self.config.num_workers, 8)):
+            return f"the model endpoint cannot be reached: the last {streaks[cls]} rows all failed to connect ({error})"
+        if cls == "truncated" and streaks[cls] >= 3:
+            return (f"configuration error: the first reply of the last {streaks[cls]} rows was cut at the output length "
+                    f"limit; --max_tokens={self.config.max_tokens} is too small for this model (raise it or leave it unset)")
+        return None
+
     def _after_commit(self, records: list[dict], counts: dict) -> None:
         from runner.store import record_outcome
 
@@ -794,9 +822,15 @@ class BatchRunner:
             counts[outcome] += 1
             counts["retries"] += int(record["metadata"].get("usage", {}).get("retries") or 0)
             index = record["prompt_index"]
+            repeated = self._repeated_failure(record.get("error_class") if outcome == "failed" else None,
+                                              record.get("error") or "")
             if outcome == "failed":
                 cls = record.get("error_class")
                 self.log(f"   ❌ Prompt {index} failed ({cls}): {record['error'][: self.config.log_prefix_chars or 100]}")
+                if repeated and not self.fatal_message:
+                    self.fatal_message = repeated
+                    self.stopping = "fatal"
+                    self.log(f"⛔ {self.fatal_message}\n   No new prompts will be started.")
                 if cls in FATAL_CLASSES and not self.fatal_message:
                     self.fatal_message = f"the provider refused the request ({cls}): {record['error']}"
                     self.stopping = "fatal"

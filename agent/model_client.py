@@ -5,17 +5,37 @@ once, SDK retries off), the retry policy (Retry-After and x-ratelimit-reset* hon
 exponential backoff with full jitter, a bounded total wait), an adaptive cap on requests in
 flight (halved on bursts of 429, recovered slowly) and an optional requests-per-minute pace.
 `SessionModel` is the per-prompt view of it that also sums usage and retries for the row.
+
+Usage of one reply (`ModelReply.usage`): prompt, completion, reasoning, cached and total tokens,
+and `cost`: the charge the endpoint reported (OpenRouter's `usage.cost`, else LiteLLM's
+`x-litellm-response-cost` header), or None when it reported none (unknown, never 0.0). A row's
+`CallStats.cost` is the sum, priced from the user's prices where a reply reported none, and None
+as soon as one reply's cost is unknown. `cached_tokens` are the prompt tokens served from the
+provider's cache (`prompt_tokens_details.cached_tokens`, else `cache_read_input_tokens`).
+
+A failed request is classed for the run: `auth` (401/403) and `quota` (402, insufficient_quota)
+stop it; `connection` (the endpoint cannot be reached: DNS, refused, closed, TLS, named from the
+transport's cause chain, which the aiohttp transport reports as a timeout) is retried for a short
+budget; everything else is `provider`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import http.client
 import random
 import re
+import socket
+import ssl
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from agent.pricing import Prices, request_cost
 from agent.types import ModelReply, ProviderError
@@ -29,6 +49,10 @@ class RetryPolicy:
     base_delay: float = 1.0  # first backoff, doubled each retry
     max_delay: float = 60.0  # cap of one backoff
     max_total_wait: float = 300.0  # a request gives up once waiting more would pass this
+    # ... or, while the endpoint cannot be reached at all (refused, DNS, closed), this: a brief loss
+    # (a server restart) is ridden out, a dead endpoint fails the row soon enough for the run's
+    # unreachable-endpoint stop to end the run instead of failing the dataset one row at a time.
+    max_unreachable_wait: float = 30.0
     request_timeout: float = 600.0  # seconds for one HTTP request
 
 
@@ -201,7 +225,8 @@ def _usage_dict(usage: Any) -> dict:
         "completion_tokens": usage.get("completion_tokens") or 0,
         "total_tokens": usage.get("total_tokens") or 0,
         "reasoning_tokens": details.get("reasoning_tokens") or 0,
-        "cached_tokens": prompt_details.get("cached_tokens") or 0,
+        # OpenAI style, else Anthropic style (what LiteLLM passes through)
+        "cached_tokens": prompt_details.get("cached_tokens") or usage.get("cache_read_input_tokens") or 0,
         "cost": usage.get("cost"),  # OpenRouter reports the charge here; None: not reported
     }
 
@@ -237,6 +262,18 @@ def split_inline_think(content: str | None) -> tuple[str | None, str | None]:
     return match.group(1).strip() or None, content[match.end():] or None
 
 
+def reported_cost(usage: dict, headers: Any) -> float | None:
+    """The charge the endpoint reported for one request: OpenRouter's `usage.cost`, else LiteLLM's
+    `x-litellm-response-cost` header; None when neither says (unknown, not free)."""
+    if usage.get("cost") is not None:
+        return float(usage["cost"])
+    header = headers.get("x-litellm-response-cost") if headers is not None else None
+    try:
+        return float(header) if header not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
 def reply_from_completion(completion: Any) -> ModelReply:
     """Normalise a chat-completion body (a dict, as the endpoint sent it)."""
     choices = completion.get("choices") if isinstance(completion, dict) else None
@@ -270,6 +307,22 @@ def reply_from_completion(completion: Any) -> ModelReply:
         reasoning_details=details,
         usage=_usage_dict(completion.get("usage")),
     )
+
+
+def _response_type() -> type:
+    """The HTTP response class of the SDK's transport: as `cast_to`, the SDK returns the raw
+    response (its errors and retries-off still apply), so headers can be read."""
+    try:
+        import httpx2
+
+        return httpx2.Response
+    except ImportError:  # SDKs built on httpx
+        import httpx
+
+        return httpx.Response
+
+
+_RESPONSE_TYPE = _response_type()
 
 
 def _http_client(openai: Any, connections: int) -> Any:
@@ -308,6 +361,7 @@ class ModelClient:
             timeout=self.policy.request_timeout,
             http_client=_http_client(openai, max_in_flight),
         )
+        self.endpoint = _host_of(base_url)
         self.limiter = AdaptiveLimiter(max_in_flight)
         self.pacer = RequestPacer(requests_per_minute)
 
@@ -336,6 +390,7 @@ class ModelClient:
         waited = 0.0
         for attempt in range(1, policy.max_attempts + 1):
             requested: float | None = None
+            unreachable: str | None = None
             try:
                 await self.pacer.wait()
                 async with self.limiter:
@@ -343,8 +398,10 @@ class ModelClient:
                         stats.count_request(model)
                     # The SDK's transport and errors, without its typed request/response models:
                     # the body is already plain JSON, and converting it costs more CPU than the rest.
-                    completion = await self._client.post("/chat/completions", body=body, cast_to=object)
-                reply = reply_from_completion(completion)
+                    # The raw response, because some endpoints report the cost in a header.
+                    response = await self._client.post("/chat/completions", body=body, cast_to=_RESPONSE_TYPE)
+                reply = reply_from_completion(orjson.loads(response.content))
+                reply.usage["cost"] = reported_cost(reply.usage, response.headers)
                 self.limiter.on_success()
                 if stats is not None:
                     stats.add_usage(reply.usage, model)
@@ -359,27 +416,83 @@ class ModelClient:
                 if not retryable:
                     raise ProviderError(failure, error_class, err.status_code) from None
                 status = err.status_code
-            except openai.APITimeoutError:
-                failure, status = f"request timed out after {policy.request_timeout:g}s", None
-            except openai.APIConnectionError as err:
-                failure, status = f"connection error: {err.__cause__ or err}", None
+            except (openai.APITimeoutError, openai.APIConnectionError) as err:
+                # The aiohttp transport reports a refused connection or a failed DNS lookup as a
+                # timeout: the cause chain says what really happened.
+                unreachable = connection_failure(err)
+                if unreachable:
+                    failure, status = f"cannot reach {self.endpoint}: {unreachable}", None
+                elif isinstance(err, openai.APITimeoutError):
+                    failure, status = f"request timed out after {policy.request_timeout:g}s", None
+                else:
+                    failure, status = f"connection error: {err.__cause__ or err}", None
             except (ValueError, TypeError, openai.APIResponseValidationError) as err:
                 failure, status = f"malformed response: {err}", None
             if attempt == policy.max_attempts:
                 break
             delay = requested if requested is not None else min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1))
             delay = delay + random.uniform(0, 0.25 * delay + 0.05) if requested is not None else random.uniform(0, delay)
-            if waited + delay > policy.max_total_wait:
-                failure += f" (gave up: waiting {delay:.1f}s more would pass the {policy.max_total_wait:g}s budget)"
+            budget = policy.max_unreachable_wait if unreachable else policy.max_total_wait
+            if waited + delay > budget:
+                failure += f" (gave up: waiting {delay:.1f}s more would pass the {budget:g}s budget)"
                 break
             if stats is not None:
                 stats.retries += 1
             waited += delay
             await asyncio.sleep(delay)
-        raise ProviderError(f"{failure} after {attempt} attempt(s)", "provider", status)
+        raise ProviderError(f"{failure} after {attempt} attempt(s)", "connection" if unreachable else "provider", status)
 
     async def close(self) -> None:
         await self._client.close()
+
+
+def _host_of(url: str | None) -> str:
+    parts = urllib.parse.urlsplit(url or "https://api.openai.com/v1")
+    return parts.netloc or url or "the endpoint"
+
+
+def connection_failure(err: BaseException) -> str | None:
+    """What keeps the endpoint from being reached, named (DNS failure, connection refused, closed,
+    TLS), from an exception's cause chain; None when the endpoint was reached (a slow answer)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, socket.gaierror):
+            return f"DNS lookup failed ({current.strerror or current})"
+        if isinstance(current, ConnectionRefusedError):
+            return "connection refused (nothing listens on that port)"
+        if isinstance(current, (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected)) or type(
+            current
+        ).__name__ in ("ServerDisconnectedError", "RemoteProtocolError"):
+            return "connection closed by the server before it answered"
+        if isinstance(current, ssl.SSLError):
+            return f"TLS error ({current.reason or current})"
+        if isinstance(current, OSError) and current.errno in (101, 113):  # network / host unreachable
+            return f"network unreachable ({current.strerror})"
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def probe_endpoint(base_url: str, api_key: str | None, timeout: float = 10.0) -> str | None:
+    """One cheap request (GET {base_url}/models) before a run starts: None when the endpoint
+    answers (any HTTP status but 401/403: some servers have no /models), else what is wrong."""
+    request = urllib.request.Request(base_url.rstrip("/") + "/models", method="GET")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.read(1)
+        return None
+    except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            return f"the endpoint {base_url} refused the API key (HTTP {err.code} on GET /models)"
+        return None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+        cause = connection_failure(err) or connection_failure(getattr(err, "reason", None) or err)
+        if cause is None and isinstance(getattr(err, "reason", err), (TimeoutError, socket.timeout)):
+            return None  # it accepted the connection but is slow: the run's retries handle that
+        return f"cannot reach the model endpoint {base_url}: {cause or err}"
 
 
 def _error_fields(err: Any) -> tuple[str, tuple[str, ...]]:

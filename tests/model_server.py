@@ -491,8 +491,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         model = self.server.model
-        model._record(self.path, self.headers, {})
         path = self.path.split("?", 1)[0]
+        if path in ("/v1/models", "/models"):
+            # The runner's reachability probe: kept apart, so `requests` is the model traffic.
+            model._record(self.path, self.headers, {}, into=model._probes)
+        else:
+            model._record(self.path, self.headers, {})
         if path in ("/v1/models", "/models"):
             self._send(200, {"object": "list", "data": [
                 {"id": model.model, "object": "model", "created": 0, "owned_by": "tests"}
@@ -622,6 +626,7 @@ class ModelServer:
         self.port = port
         self.model = model
         self._requests: list[RecordedRequest] = []
+        self._probes: list[RecordedRequest] = []  # GET /models
         self._states: dict[str, ConversationState] = {}
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -686,6 +691,12 @@ class ModelServer:
         with self._lock:
             return list(self._requests)
 
+    @property
+    def probes(self) -> list[RecordedRequest]:
+        """The GET /models requests (reachability probes), in arrival order."""
+        with self._lock:
+            return list(self._probes)
+
     def requests_for(self, prompt_substring: str) -> list[RecordedRequest]:
         """Chat requests whose first user message contains ``prompt_substring``."""
         return [r for r in self.requests if r.path.startswith(CHAT_PATH)
@@ -701,15 +712,16 @@ class ModelServer:
         """Forget recorded requests and conversation state (for shared fixtures)."""
         with self._lock:
             self._requests.clear()
+            self._probes.clear()
             self._states.clear()
 
     # -- internals used by the handler ------------------------------------------
 
-    def _record(self, path: str, headers, body: dict) -> None:
+    def _record(self, path: str, headers, body: dict, into: list | None = None) -> None:
         if self.record:
             entry = RecordedRequest(path, {k.lower(): v for k, v in headers.items()}, body, time.time())
             with self._lock:
-                self._requests.append(entry)
+                (self._requests if into is None else into).append(entry)
 
     def _state_for(self, body: dict) -> ConversationState:
         key = first_user_text(body)

@@ -137,3 +137,20 @@ def test_requests_per_minute_paces_requests(tmp_path, model_server):
     times = sorted(r.time for r in model_server.requests)
     # 120/min = one start every 0.5 s (the first may reach the server late: connection set-up)
     assert len(times) == 4 and times[-1] - times[1] >= 0.9 and times[-1] - times[0] >= 1.0
+
+
+def test_closed_connection_is_named_and_classed_as_connection(model_server):
+    policy = RetryPolicy(base_delay=0.05, max_unreachable_wait=0.3)
+    with pytest.raises(ProviderError, match="connection closed by the server") as info:
+        _complete(model_server, "@close 50\nhi", policy=policy)
+    assert info.value.error_class == "connection"
+
+
+def test_refused_connection_is_named_not_a_timeout():
+    class Nowhere:
+        base_url = "http://127.0.0.1:9/v1"  # discard port: nothing listens
+
+    policy = RetryPolicy(base_delay=0.05, max_unreachable_wait=0.3)
+    with pytest.raises(ProviderError, match="connection refused") as info:
+        _complete(Nowhere, "hi", policy=policy)
+    assert info.value.error_class == "connection" and "timed out" not in str(info.value)

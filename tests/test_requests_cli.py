@@ -35,6 +35,8 @@ def test_tool_choice_auto_is_sent_so_a_server_that_needs_it_calls_tools(tmp_path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     bodies = _chat(model_server)
     assert bodies and all(b["tool_choice"] == "auto" for b in bodies)
+    (probe,) = model_server.probes  # one cheap reachability probe before the first row, with the key
+    assert probe.path == "/v1/models" and probe.headers["authorization"].startswith("Bearer ")
     (row,) = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
     assert row["tool_stats"]["terminal"] == {"count": 1, "success": 1, "failure": 0}
     config = json.loads((_out(tmp_path) / "config.json").read_text())
@@ -148,3 +150,104 @@ def test_only_402_or_an_insufficient_quota_code_stops_the_run(tmp_path, model_se
         assert "quota" in proc.stderr
         failed = [r for r in _batch_lines(tmp_path, name) if r.get("failed")]
         assert failed and {r["error_class"] for r in failed} == {"quota"} and len(failed) < 6
+
+
+def test_cost_from_usage_or_the_litellm_header_else_unknown(tmp_path, model_server, remote_args):
+    rows = [{"prompt": "Reported in usage.cost."},
+            {"prompt": "@cost none\n@cost_header 0.0042\nReported in the LiteLLM header."},
+            {"prompt": "@cost none\nNot reported."}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    usage = [t["metadata"]["usage"] for t in read_jsonl(_out(tmp_path) / "trajectories.jsonl")]
+    assert [u["requests"] for u in usage] == [1, 1, 1]
+    assert [u["cost"] for u in usage] == [0.0001, 0.0042, None]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_endpoint_is_named_before_anything_starts(tmp_path):
+    import time
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"Row {i}."} for i in range(12)])
+    for name, url, cause in (("refused", f"http://127.0.0.1:{_free_port()}/v1", "connection refused"),
+                             ("dns", "http://no-such-host.invalid/v1", "DNS lookup failed")):
+        started = time.monotonic()
+        proc = run_cli([f"--dataset_file={dataset}", f"--run_name={name}", "--batch_size=5", "--model=m",
+                        f"--base_url={url}", "--api_key=sk-x"], tmp_path)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert cause in proc.stderr and url in proc.stderr and "timed out" not in proc.stderr
+        assert time.monotonic() - started < 30
+        assert not _out(tmp_path, name).exists()  # nothing written, nothing committed
+
+
+def test_an_endpoint_without_models_route_counts_as_reachable(tmp_path, model_server):
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Row."}])
+    proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--model=m",
+                    f"--base_url={model_server.root_url}/nowhere", "--api_key=sk-x"], tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # it ran: the row failed with the chat route's 404
+    (failed,) = _batch_lines(tmp_path)
+    assert "HTTP 404" in failed["error"]
+
+
+def test_endpoint_lost_mid_run_stops_the_run_as_a_provider_error(tmp_path, model_server, remote_args):
+    import threading
+    import time
+
+    rows = [{"prompt": f"@latency 0.3\nRow {i}."} for i in range(30)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+
+    def stop_after_some_rows():
+        while model_server.count() < 6:
+            time.sleep(0.05)
+        model_server.stop()
+
+    threading.Thread(target=stop_after_some_rows, daemon=True).start()
+    started = time.monotonic()
+    proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning", "--num_workers=3", "--num_processes=1")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "cannot be reached" in proc.stderr and "connection refused" in proc.stderr
+    assert time.monotonic() - started < 120
+    lines = _batch_lines(tmp_path)
+    failed = [r for r in lines if r.get("failed")]
+    assert failed and {r["error_class"] for r in failed} == {"connection"}
+    assert len(lines) < 20  # it stopped starting rows instead of failing the dataset
+    stats = json.loads((_out(tmp_path) / "statistics.json").read_text())
+    assert stats["outcomes"]["not_run"] > 0
+
+
+def test_brief_loss_of_the_endpoint_is_ridden_out(tmp_path, model_server, remote_args):
+    import threading
+    import time
+
+    rows = [{"prompt": f"@latency 0.2\nRow {i}."} for i in range(6)] + [{"prompt": "@close 1\nClosed once."}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+
+    def restart_briefly():
+        while model_server.count() < 2:
+            time.sleep(0.02)
+        model_server.stop()
+        time.sleep(2.0)
+        model_server.start()  # the same port
+
+    threading.Thread(target=restart_briefly, daemon=True).start()
+    proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning", "--num_workers=2", "--num_processes=1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
+    assert len(kept) == 7 and sum(t["metadata"]["usage"]["retries"] for t in kept) >= 2
+
+
+def test_first_reply_cut_at_max_tokens_stops_the_run_as_a_configuration_error(tmp_path, model_server, remote_args):
+    rows = [{"prompt": f"@finish length\nToo long {i}."} for i in range(10)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _run(tmp_path, dataset, remote_args, "--max_tokens=5", "--num_workers=1")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "--max_tokens=5" in proc.stderr and "configuration error" in proc.stderr
+    failed = [r for r in _batch_lines(tmp_path) if r.get("failed")]
+    assert len(failed) == 3 and {r["error_class"] for r in failed} == {"truncated"}
