@@ -79,7 +79,7 @@ def redact_bytes(data: bytes) -> bytes:
 
 
 def redact(text: str) -> str:
-    for value in _known:
+    for value in sorted(_known, key=len, reverse=True):  # a key that contains another goes first
         if value in text:
             text = text.replace(value, REDACTED)
     return text
