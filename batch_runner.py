@@ -147,6 +147,7 @@ def main(
     max_samples: int = None,
     # Options the original does not have.
     tool_choice: str = "auto",
+    prompt_caching: str = "auto",
     seed: int = None,
     output_dir: str = "data",
     skip_invalid: bool = False,
@@ -230,7 +231,7 @@ def build_config(**flags: Any):
     """Validate the flags into a RunConfig (raises UsageError with one clear line)."""
     from runner import secrets
     from runner.budget import cost_options as budget_options
-    from runner.config import PROVIDER_SORTS, TOOL_CHOICES, RunConfig
+    from runner.config import PROMPT_CACHING, PROVIDER_SORTS, TOOL_CHOICES, RunConfig
     from tools.settings import ToolSettings
 
     if not flags["dataset_file"] or flags["dataset_file"] is True:
@@ -258,6 +259,9 @@ def build_config(**flags: Any):
     tool_choice = str(flags["tool_choice"] or "auto")
     if tool_choice not in TOOL_CHOICES:
         raise UsageError(f"--tool_choice must be one of: {', '.join(TOOL_CHOICES)} (got {flags['tool_choice']!r})")
+    prompt_caching = str(flags["prompt_caching"] or "auto")
+    if prompt_caching not in PROMPT_CACHING:
+        raise UsageError(f"--prompt_caching must be one of: {', '.join(PROMPT_CACHING)} (got {flags['prompt_caching']!r})")
     model = str(flags["model"])
     base_url = None if model == "mock" else (str(flags["base_url"]) if flags["base_url"] else None)
     api_key = flags["api_key"]
@@ -347,6 +351,7 @@ def build_config(**flags: Any):
         reasoning=_reasoning(flags["reasoning_effort"], bool(flags["reasoning_disabled"])),
         provider=provider or None,
         tool_choice=tool_choice,
+        prompt_caching=prompt_caching,
         ephemeral_system_prompt=None if ephemeral in (None, "") else str(ephemeral),
         prefill_messages=_prefill(flags["prefill_messages_file"]),
         prefill_messages_file=flags["prefill_messages_file"],

@@ -274,6 +274,41 @@ def reported_cost(usage: dict, headers: Any) -> float | None:
         return None
 
 
+_EPHEMERAL = {"type": "ephemeral"}
+MAX_CACHE_BREAKPOINTS = 4  # Anthropic's limit per request
+
+
+def wants_prompt_caching(mode: str, model: str, base_url: str | None) -> bool:
+    """--prompt_caching: on, off, or auto (Claude models on OpenRouter, which honour breakpoints)."""
+    if mode in ("on", "off"):
+        return mode == "on"
+    return "claude" in model.lower() and "openrouter.ai" in _host_of(base_url)
+
+
+def with_cache_breakpoints(messages: list[dict]) -> list[dict]:
+    """The messages with Anthropic `cache_control` breakpoints on the system message and the last
+    messages (at most MAX_CACHE_BREAKPOINTS in all), so each turn reads the prefix the previous
+    one cached. The stored messages are not changed; a message without text is skipped, since an
+    empty text part is refused."""
+    marked = list(messages)
+    system = next((i for i, m in enumerate(marked) if m.get("role") == "system" and m.get("content")), None)
+    chosen = [] if system is None else [system]
+    for i in range(len(marked) - 1, -1, -1):
+        if len(chosen) >= MAX_CACHE_BREAKPOINTS:
+            break
+        if i != system and marked[i].get("content"):
+            chosen.append(i)
+    for i in chosen:
+        message = dict(marked[i])
+        content = message["content"]
+        if isinstance(content, str):
+            message["content"] = [{"type": "text", "text": content, "cache_control": _EPHEMERAL}]
+        elif isinstance(content, list) and content and isinstance(content[-1], dict):
+            message["content"] = [*content[:-1], {**content[-1], "cache_control": _EPHEMERAL}]
+        marked[i] = message
+    return marked
+
+
 def reply_from_completion(completion: Any) -> ModelReply:
     """Normalise a chat-completion body (a dict, as the endpoint sent it)."""
     choices = completion.get("choices") if isinstance(completion, dict) else None
@@ -349,6 +384,7 @@ class ModelClient:
         max_in_flight: int = 64,
         requests_per_minute: float | None = None,
         policy: RetryPolicy | None = None,
+        prompt_caching: str = "auto",  # on | off | auto (see wants_prompt_caching)
     ):
         import openai
 
@@ -362,6 +398,8 @@ class ModelClient:
             http_client=_http_client(openai, max_in_flight),
         )
         self.endpoint = _host_of(base_url)
+        self.base_url = base_url
+        self.prompt_caching = prompt_caching
         self.limiter = AdaptiveLimiter(max_in_flight)
         self.pacer = RequestPacer(requests_per_minute)
 
@@ -378,6 +416,8 @@ class ModelClient:
     ) -> ModelReply:
         openai = self._openai
         policy = self.policy
+        if wants_prompt_caching(self.prompt_caching, model, self.base_url):
+            messages = with_cache_breakpoints(messages)
         body: dict[str, Any] = {"model": model, "messages": messages}
         if tools:
             body["tools"] = tools

@@ -19,6 +19,7 @@ from tools.settings import ToolSettings
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
 PROVIDER_SORTS = ("price", "throughput", "latency")
 TOOL_CHOICES = ("auto", "required", "none")
+PROMPT_CACHING = ("auto", "on", "off")
 
 # Options whose change makes new rows incomparable with old ones.
 FINGERPRINT_FIELDS = (
@@ -56,6 +57,9 @@ class RunConfig(BaseModel):
     reasoning: dict | None = None  # the `reasoning` request field, from the reasoning flags
     provider: dict | None = None  # the OpenRouter `provider` request field
     tool_choice: str = "auto"  # the `tool_choice` request field, sent whenever tools are offered
+    # cache_control breakpoints (auto: Claude models on OpenRouter). Not fingerprinted: it changes
+    # what a row costs, not what it contains.
+    prompt_caching: str = "auto"
     ephemeral_system_prompt: str | None = None
     prefill_messages: list[dict] = Field(default_factory=list)
     prefill_messages_file: str | None = None

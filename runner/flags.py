@@ -57,6 +57,7 @@ FLAGS: list[Flag] = _flags(
 ) + _flags(
     NEW,
     ("tool_choice", "auto", "auto, required or none: tool_choice sent with every request that offers tools."),
+    ("prompt_caching", "auto", "cache_control breakpoints: auto (Claude models on OpenRouter), on or off."),
     ("seed", "", "Reproducible toolset sampling (each row's sample depends on the seed and the row)."),
     ("output_dir", "data", "Parent of the run folder."),
     ("skip_invalid", "off", "Run the valid rows of a dataset that has invalid lines."),

@@ -54,6 +54,7 @@ class WorkerRuntime:
                 requests_per_minute=(config.max_requests_per_minute * sessions / max(sessions, config.num_workers)
                                      if config.max_requests_per_minute else None),
                 policy=RetryPolicy(request_timeout=config.request_timeout),
+                prompt_caching=config.prompt_caching,
             )
         self.loop_config = LoopConfig(
             max_iterations=config.max_turns,

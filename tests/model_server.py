@@ -534,6 +534,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except Exception as exc:  # a policy bug should be visible, not a dropped connection
             reply = error_reply(500, f"policy error: {type(exc).__name__}: {exc}")
 
+        if reply.status == 200 and isinstance(reply.body, dict) and isinstance(reply.body.get("usage"), dict):
+            cached = model._prompt_cache(body)
+            reply.body["usage"].setdefault("prompt_tokens_details", {})["cached_tokens"] = cached
+
         if reply.hang:
             model._stopping.wait()
             self.close_connection = True
@@ -627,6 +631,7 @@ class ModelServer:
         self.model = model
         self._requests: list[RecordedRequest] = []
         self._probes: list[RecordedRequest] = []  # GET /models
+        self._cache: set[str] = set()  # prompt prefixes cached by cache_control breakpoints
         self._states: dict[str, ConversationState] = {}
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -731,6 +736,26 @@ class ModelServer:
                 state = self._states[key] = ConversationState(key, parse_directives(key))
             state.requests += 1
             return state
+
+    def _prompt_cache(self, body: dict) -> int:
+        """Anthropic-style prompt caching: each `cache_control` breakpoint caches the prefix up to
+        it; a later request that starts with a cached prefix reads it. Returns the cached tokens."""
+        messages = [m for m in body.get("messages") or () if isinstance(m, dict)]
+        head = [body.get("model"), body.get("tools")]
+        plain: list = []
+        prefixes: list[tuple[str, int]] = []
+        chars = 0
+        for message in messages:
+            chars += len(message_text(message))
+            content = message.get("content")
+            marked = isinstance(content, list) and any(isinstance(p, dict) and "cache_control" in p for p in content)
+            plain.append({**message, "content": message_text(message)})  # a string and its text part are one
+            if marked:
+                prefixes.append((json.dumps(head + plain, sort_keys=True), chars))
+        with self._lock:
+            hit = max((n for key, n in prefixes if key in self._cache), default=0)
+            self._cache.update(key for key, _ in prefixes)
+        return hit // 4
 
     def _next_image(self) -> int:
         with self._lock:

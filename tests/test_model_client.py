@@ -154,3 +154,25 @@ def test_refused_connection_is_named_not_a_timeout():
     with pytest.raises(ProviderError, match="connection refused") as info:
         _complete(Nowhere, "hi", policy=policy)
     assert info.value.error_class == "connection" and "timed out" not in str(info.value)
+
+
+def test_prompt_caching_auto_means_claude_on_openrouter_and_at_most_four_breakpoints():
+    from agent.model_client import wants_prompt_caching, with_cache_breakpoints
+
+    openrouter = "https://openrouter.ai/api/v1"
+    assert wants_prompt_caching("auto", "anthropic/claude-sonnet-4.6", openrouter)
+    assert not wants_prompt_caching("auto", "openai/gpt-5", openrouter)
+    assert not wants_prompt_caching("auto", "anthropic/claude-sonnet-4.6", "http://localhost:4000/v1")
+    assert wants_prompt_caching("on", "qwen3", "http://localhost:4000/v1")
+    assert not wants_prompt_caching("off", "anthropic/claude-sonnet-4.6", openrouter)
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
+                {"role": "tool", "tool_call_id": "1", "content": "T1"},
+                {"role": "assistant", "content": "A"}, {"role": "tool", "tool_call_id": "2", "content": "T2"},
+                {"role": "user", "content": [{"type": "text", "text": "U2"}, {"type": "image_url", "image_url": {}}]}]
+    marked = with_cache_breakpoints(messages)
+    flagged = [i for i, m in enumerate(marked) if isinstance(m["content"], list)
+               and m["content"][-1].get("cache_control") == {"type": "ephemeral"}]
+    assert flagged == [0, 4, 5, 6]
+    assert marked[6]["content"][0] == {"type": "text", "text": "U2"}  # only the last part is marked
+    assert messages[0] == {"role": "system", "content": "S"}  # the caller's messages are not changed

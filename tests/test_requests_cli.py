@@ -251,3 +251,30 @@ def test_first_reply_cut_at_max_tokens_stops_the_run_as_a_configuration_error(tm
     assert "--max_tokens=5" in proc.stderr and "configuration error" in proc.stderr
     failed = [r for r in _batch_lines(tmp_path) if r.get("failed")]
     assert len(failed) == 3 and {r["error_class"] for r in failed} == {"truncated"}
+
+
+def test_prompt_caching_breakpoints_and_cached_tokens(tmp_path, model_server, remote_args):
+    prompt = TERMINAL + '@tool terminal {"command": "echo two"}\n@tool terminal {"command": "echo three"}\nThree calls.'
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt}])
+    proc = _run(tmp_path, dataset, remote_args, "--prompt_caching=on", "--keep_no_reasoning")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    bodies = _chat(model_server)
+    assert len(bodies) == 4
+    for body in bodies:
+        marked = [m for m in body["messages"] if isinstance(m["content"], list)
+                  and m["content"][-1].get("cache_control") == {"type": "ephemeral"}]
+        assert marked[0]["role"] == "system" and len(marked) == min(4, 1 + sum(
+            1 for m in body["messages"][1:] if m.get("content")))
+        assert body["messages"][-1] in marked  # the newest message carries a breakpoint
+    assert json.loads((_out(tmp_path) / "config.json").read_text())["config"]["prompt_caching"] == "on"
+    (row,) = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
+    assert row["metadata"]["usage"]["cached_tokens"] > 0  # later turns read the prefix the earlier ones cached
+    assert isinstance(row["conversations"][1]["value"], str)  # the saved conversation is untouched
+
+    # auto: only Claude models on OpenRouter; this is neither, so no breakpoint and nothing cached.
+    model_server.reset()
+    proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning", run_name="auto")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(isinstance(m["content"], (str, type(None))) for b in _chat(model_server) for m in b["messages"])
+    (row,) = read_jsonl(_out(tmp_path, "auto") / "trajectories.jsonl")
+    assert row["metadata"]["usage"]["cached_tokens"] == 0
