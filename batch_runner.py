@@ -420,7 +420,7 @@ class BatchRunner:
             self.resume = bool(resume)
         from runner.dataset import DatasetError, scan_dataset
         from runner.lock import RunLock, RunLockBusy
-        from runner.secrets import register_config
+        from runner.secrets import environment_without_keys, register_config
         from runner.store import STORAGE_ERRNOS, RunStore
         from tools.registry import tool_schema_version, unavailable_tools
 
@@ -429,8 +429,9 @@ class BatchRunner:
         config.tool_schema_version = tool_schema_version()
         unavailable = unavailable_tools(config.tools)
         # Workers start now, so their imports overlap with reading the dataset and the run directory.
-        executor = self._make_executor(unavailable)
-        executor.start()
+        with environment_without_keys():  # workers, and every command they start, never see a key
+            executor = self._make_executor(unavailable)
+            executor.start()
         previous_handlers = self._install_signal_handlers(executor)
         try:
             try:

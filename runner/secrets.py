@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+from contextlib import contextmanager
 
 REDACTED = "[REDACTED]"
 # The keys the runner itself reads from the environment (build_config): model and tool backends.
@@ -101,6 +102,18 @@ def protect_process_secrets() -> None:
         _reexec_without(found, clean_argv)  # does not return
     register(*_store.values())
     _redact_console()
+
+
+@contextmanager
+def environment_without_keys():
+    """Within: os.environ holds none of the keys. Processes started here (the fork server every
+    worker is forked from, a local Ray cluster) inherit that environment. For the Python API,
+    where no re-exec took the keys out (the caller's own environment is restored afterwards)."""
+    saved = {name: os.environ.pop(name) for name in SECRET_ENV_VARS if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _strip_api_key(argv: list[str]) -> tuple[list[str], str | None]:

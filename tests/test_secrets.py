@@ -4,6 +4,7 @@ processes, the local backend with and without bubblewrap)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import uuid
@@ -118,3 +119,31 @@ def test_api_key_flag_is_taken_out_of_argv_in_every_spelling():
                         (["p", "--api_key", "--x=1"], ""), (["p", "--x=1"], None)):
         clean, found = _strip_api_key(argv)
         assert clean == ["p", "--x=1"] and found == value
+
+
+def test_python_api_keeps_the_keys_out_of_the_workers_environment(model_server, tmp_path):
+    """BatchRunner(...) used from a script: no re-exec there, yet workers never hold the keys."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    keys = _keys()
+    rows = [{"prompt": f'@tool terminal {json.dumps({"command": ROUTES["parent environ"]})}\nParent environ.'}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    script = (
+        "import os, sys\n"
+        "from batch_runner import BatchRunner\n"
+        f"code = BatchRunner(dataset_file={str(dataset)!r}, batch_size=5, run_name='s', model='m',\n"
+        f"                   base_url={model_server.base_url!r}, distribution='terminal_only').run()\n"
+        "assert os.environ['OPENROUTER_API_KEY'], 'the caller keeps its environment'\n"
+        "sys.exit(code)\n"
+    )
+    env = {**{k: v for k, v in os.environ.items() if "API_KEY" not in k}, "PYTHONPATH": str(REPO),
+           **{name: value for name, value in keys.items() if name != "flag"}}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = read_jsonl(tmp_path / "data" / "s" / "trajectories.jsonl")
+    (output,) = _tool_outputs(row)
+    assert "done-ppid" in output and not KEY_SEEN.search(output), output
