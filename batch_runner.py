@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from runner.console import plural
 from runner.store import StorageError
 from toolset_distributions import DISTRIBUTIONS, format_distribution_catalogue
 
@@ -374,6 +375,19 @@ def build_config(**flags: Any):
     )
 
 
+def _count_lines(path: str, stop_at: int) -> int:
+    """Lines in the file, counting only until `stop_at` (a bound, read in a moment even for a huge
+    file); a missing file counts as `stop_at` (the dataset scan reports it)."""
+    lines, last = 0, b"\n"
+    try:
+        with open(path, "rb") as handle:
+            while lines < stop_at and (chunk := handle.read(1 << 20)):
+                lines, last = lines + chunk.count(b"\n"), chunk[-1:]
+    except OSError:
+        return stop_at
+    return lines + (last != b"\n")
+
+
 class BatchRunner:
     """Owns the run directory for one invocation: validate, resume, dispatch, commit, finalize.
 
@@ -481,7 +495,16 @@ class BatchRunner:
         from runner.executor import ProcessExecutor
 
         processes = config.num_processes or os.cpu_count() or 1
-        return ProcessExecutor(config, unavailable, config.num_workers, processes, log=self.log)
+        return ProcessExecutor(config, unavailable, self._sessions(), processes, log=self.log)
+
+    def _sessions(self) -> int:
+        """--num_workers, but never more sessions than the dataset can have rows (2 prompts: 2 sessions)."""
+        config = self.config
+        wanted = config.num_workers
+        rows = _count_lines(config.dataset_file, stop_at=wanted)
+        if config.max_samples:
+            rows = min(rows, config.max_samples)
+        return max(1, min(wanted, rows))
 
     def _report_bad_lines(self, scan) -> None:
         errors = scan.errors
@@ -500,16 +523,16 @@ class BatchRunner:
     def _print_header(self, scan) -> None:
         c = self.config
         print("📊 Batch Runner Initialized")
-        print(f"   Dataset: {c.dataset_file} ({scan.rows} prompts)")
+        print(f"   Dataset: {c.dataset_file} ({plural(scan.rows, 'prompt')})")
         print(f"   Batch size: {c.batch_size}")
         print(f"   Run name: {c.run_name}")
         print(f"   Distribution: {c.distribution}")
         print(f"   Model: {c.model}" + (f" @ {c.base_url}" if c.base_url else " (built-in offline model)"))
         print(f"   Output directory: {self.run_dir}")
         if c.executor == "ray":
-            print(f"   Workers: Ray cluster {c.ray_address or '(local)'}, {c.sessions_per_node or c.num_workers} sessions per node")
+            print(f"   Workers: Ray cluster {c.ray_address or '(local)'}, {plural(c.sessions_per_node or c.num_workers, 'session')} per node")
         else:
-            print(f"   Workers: {c.num_workers} concurrent sessions")
+            print(f"   Workers: {plural(self._sessions(), 'concurrent session')}")
         if c.ephemeral_system_prompt:
             text = c.ephemeral_system_prompt
             print(f"   🔒 Ephemeral system prompt: '{text[:60]}{'...' if len(text) > 60 else ''}'")
@@ -613,12 +636,22 @@ class BatchRunner:
             batch_size=config.batch_size, model=config.model, duration=time.monotonic() - started,
             rows_this_run=rows_this_run, fingerprint=config.fingerprint(),
         )
-        print_summary(stats, self.run_dir)
+        print_summary(stats, self.run_dir, headline=self._headline())
         self._write_report()
         code = self._exit_code(merged)
         self._monitor.close({EXIT_OK: "done", EXIT_INCOMPLETE: "incomplete", EXIT_FATAL_PROVIDER: "stopped_provider",
                              EXIT_BUDGET: "stopped_budget", EXIT_INTERRUPTED: "interrupted"}.get(code, "stopped"))
         return code
+
+    def _headline(self) -> str:
+        """What happened to the run, for the summary's title (not 'COMPLETE' after a Ctrl-C)."""
+        if self.stopping == "interrupted":
+            return "BATCH PROCESSING INTERRUPTED (committed rows are safe; --resume finishes the run)"
+        if self.fatal_message or self.stopping:
+            return "BATCH PROCESSING STOPPED EARLY"
+        if self._monitor is not None and self._monitor.budget_reached:
+            return "BATCH PROCESSING STOPPED AT THE COST BUDGET"
+        return "BATCH PROCESSING COMPLETE"
 
     def _exit_code(self, merged) -> int:
         if self.fatal_message:
@@ -735,8 +768,7 @@ class BatchRunner:
         return {image: error for image, error in status.items() if error}
 
     def _execute(self, scan, store, executor, remaining: int) -> int:
-        from tqdm import tqdm
-
+        from runner.console import progress
         from runner.executor import lost_row_record
 
         config = self.config
@@ -744,12 +776,12 @@ class BatchRunner:
         failed_images = self._prepare_images(scan)
         counts = {"ok": 0, "failed": 0, "discarded": 0, "retries": 0}
         self._phase = "dispatch"
-        print(f"\n🚀 Running {remaining:,} prompts: {executor.describe()}\n")
+        print(f"\n🚀 Running {plural(remaining, 'prompt')}: {executor.describe()}\n")
         tasks = self._tasks(scan, store, failed_images)
         exhausted = False
         committed = 0
         grace_deadline = None
-        self._bar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+        self._bar = progress(remaining)  # a bar on a terminal; plain lines every 10 s in a log
         try:
             while True:
                 immediate = []
@@ -789,6 +821,8 @@ class BatchRunner:
                     self._after_commit(records, counts)
                 else:
                     store.save_checkpoint()
+                    if hasattr(self._bar, "tick"):
+                        self._bar.tick()
                 monitor.tick(executor.in_flight())
         finally:
             self._bar.close()
@@ -832,7 +866,7 @@ class BatchRunner:
                                               record.get("error") or "")
             if outcome == "failed":
                 cls = record.get("error_class")
-                self.log(f"   ❌ Prompt {index} failed ({cls}): {record['error'][: self.config.log_prefix_chars or 100]}")
+                self.log(f"   ❌ Prompt {index} failed ({cls}): {record['error']}")  # the cause whole
                 if repeated and not self.fatal_message:
                     self.fatal_message = repeated
                     self.stopping = "fatal"
@@ -842,9 +876,18 @@ class BatchRunner:
                     self.stopping = "fatal"
                     self.log(f"⛔ {self.fatal_message}\n   No new prompts will be started.")
             elif self.config.verbose:
-                self.log(f"   {'✅' if outcome == 'ok' else '🚫'} Prompt {index} {outcome}")
+                self.log(f"   {'✅' if outcome == 'ok' else '🚫'} Prompt {index} {outcome}: {self._preview(record)}")
         self._bar.set_postfix(counts, refresh=False)
         self._bar.update(len(records))
+
+    def _preview(self, record: dict) -> str:
+        """The row's prompt, cut at --log_prefix_chars."""
+        prompt = record.get("prompt")
+        if prompt is None:
+            prompt = next((t["value"] for t in record.get("conversations") or () if t.get("from") == "human"), "")
+        limit = self.config.log_prefix_chars
+        text = " ".join(str(prompt).split())
+        return repr(text[:limit] + ("..." if len(text) > limit else ""))
 
     def _install_signal_handlers(self, executor) -> dict:
         """Ctrl-C / SIGTERM, from the start of the run to its end; returns the handlers they replace.

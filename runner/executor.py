@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 from runner.config import RunConfig
+from runner.console import plural
 from runner.worker import failed_record, worker_main
 
 
@@ -85,7 +86,7 @@ class ProcessExecutor:
         self._closed = False
 
     def describe(self) -> str:
-        return f"{sum(self.slot_plan)} sessions on {len(self.slot_plan)} process(es)"
+        return f"{plural(sum(self.slot_plan), 'session')} on {plural(len(self.slot_plan), 'process', 'processes')}"
 
     def start(self) -> None:
         for slot, sessions in enumerate(self.slot_plan):

@@ -203,10 +203,10 @@ def write_statistics(run_dir: Path, merged: MergeResult, *, run_name: str, distr
     return stats
 
 
-def print_summary(stats: dict, run_dir: Path, out=print) -> None:
+def print_summary(stats: dict, run_dir: Path, out=print, headline: str = "BATCH PROCESSING COMPLETE") -> None:
     rule = "=" * 70
     outcomes = stats["outcomes"]
-    out(f"\n{rule}\n📊 BATCH PROCESSING COMPLETE\n{rule}")
+    out(f"\n{rule}\n📊 {headline}\n{rule}")
     out(f"✅ Prompts processed this run: {stats['rows_this_run']}")
     out(f"✅ Total trajectories in merged file: {outcomes['ok']} "
         f"(completed {outcomes['completed']}, partial {outcomes['partial']})")

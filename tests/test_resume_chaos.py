@@ -144,6 +144,7 @@ def test_ctrl_c_stops_gracefully_then_resume_finishes(tmp_path, model_server):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Stopping: no new prompts" in out + err and "--resume" in err
+    assert "BATCH PROCESSING INTERRUPTED" in out and "BATCH PROCESSING COMPLETE" not in out
     out = tmp_path / "data" / "chaos"
     stats = json.loads((out / "statistics.json").read_text())  # merged and written despite the stop
     done = stats["outcomes"]["ok"]
