@@ -323,9 +323,11 @@ class RunMonitor:
 
     def close(self, state: str) -> dict:
         """The invocation's last status: status.json, one line of status_history.jsonl."""
+        from runner.store import private_opener
+
         snapshot = self.write_status(state)
         try:
-            with open(self.run_dir / "status_history.jsonl", "ab") as handle:
+            with open(self.run_dir / "status_history.jsonl", "ab", opener=private_opener) as handle:
                 handle.write(orjson.dumps(snapshot) + b"\n")
                 handle.flush()
                 os.fsync(handle.fileno())
