@@ -232,3 +232,28 @@ def test_unpriced_run_says_unknown(tmp_path, model_server):
     assert "Spend: unknown" in proc.stdout
     status = json.loads((run_dir / "status.json").read_text())
     assert status["spend"]["total_usd"] is None and status["forecast"] is None
+
+
+def test_spend_view_splits_by_outcome_model_and_time(tmp_path):
+    from runner.spend_view import SpendTally, read_invocations
+
+    tally = SpendTally()
+    usage = lambda cost, model="m": {"requests": 1, "prompt_tokens": 100, "cached_tokens": 25, "cost": cost,  # noqa: E731
+                                     "by_model": {model: {"requests": 1, "prompt_tokens": 100, "cached_tokens": 25,
+                                                          "cost": cost}}}
+    tally.add("a", "failed", 10.0, usage(0.1))
+    tally.add("a", "ok", 20.0, usage(0.2))  # a: failed once, then kept: its failed attempt was retried
+    tally.add("b", "failed", 30.0, usage(0.3, "tool"))  # b: still failed
+    tally.add("c", "discarded", 40.0, usage(None))  # unpriced
+    out = tally.summary(finished=lambda key: key in ("a", "c"))
+    assert {k: v["cost"] for k, v in out["by_outcome"].items()} == {
+        "kept": 0.2, "discarded": None, "failed": 0.3, "retried": 0.1}
+    assert out["total"]["cost"] == pytest.approx(0.6) and out["total"]["unpriced_attempts"] == 1
+    assert out["by_model"]["m"]["requests"] == 3 and out["by_model"]["tool"]["cost"] == 0.3
+    assert out["cache_hit_ratio"] == 0.25
+    assert out["over_time"][0] == [0.0, 0.1] and out["over_time"][-1] == [20.0, pytest.approx(0.6)]
+    (tmp_path / "status_history.jsonl").write_text(
+        json.dumps({"state": "stopped_budget", "spend": {"total_usd": 0.5}, "forecast": {"total_usd": 2.0},
+                    "budget": {"max_cost_usd": 0.5}}) + "\n{torn")
+    (inv,) = read_invocations(tmp_path)
+    assert inv["state"] == "stopped_budget" and inv["forecast_total_usd"] == 2.0 and inv["max_cost_usd"] == 0.5
