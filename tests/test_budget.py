@@ -204,6 +204,15 @@ def test_tokens_are_priced_when_the_endpoint_reports_no_cost(tmp_path, model_ser
     assert usage["cost"] == pytest.approx((usage["prompt_tokens"] * 2 + usage["completion_tokens"] * 10) / 1e6)
 
 
+def test_a_reported_cost_wins_over_the_price_flags(tmp_path, model_server):
+    rows = [{"prompt": "@cost none\n@cost_header 0.0042\nLiteLLM says what it cost."}]
+    proc = run_cli(_args(tmp_path, model_server, rows, "--price_input_per_mtok=1000", "--price_output_per_mtok=1000",
+                         "--max_cost=1"), tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = _lines(tmp_path / "data" / "r")
+    assert line["metadata"]["usage"]["cost"] == pytest.approx(0.0042)
+
+
 def test_tool_model_calls_are_counted_by_model(tmp_path, model_server):
     prompt = ('@tool mixture_of_agents {"user_prompt": "What is 2+2?"}\n'
               '@tool vision_analyze {"image_url": "https://example.com/cat.png", "question": "What is it?"}\n'
