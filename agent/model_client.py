@@ -531,7 +531,7 @@ def probe_endpoint(base_url: str, api_key: str | None, timeout: float = 10.0) ->
     except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
         cause = connection_failure(err) or connection_failure(getattr(err, "reason", None) or err)
         if cause is None and isinstance(getattr(err, "reason", err), (TimeoutError, socket.timeout)):
-            return None  # it accepted the connection but is slow: the run's retries handle that
+            return None  # no answer in time (a busy server, or a filtered port): the run's retries decide
         return f"cannot reach the model endpoint {base_url}: {cause or err}"
 
 
