@@ -489,8 +489,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     # -- routing -----------------------------------------------------------
 
+    def _key_refused(self) -> bool:
+        """With ``ModelServer(api_key=K)``, a request without ``Bearer K`` gets a 401."""
+        key = self.server.model.api_key
+        if key is None or self.headers.get("Authorization") == f"Bearer {key}":
+            return False
+        if self.command == "POST":
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._send(401, error_body(401, "Incorrect API key provided"))
+        return True
+
     def do_GET(self):
         model = self.server.model
+        if self._key_refused():
+            return
         path = self.path.split("?", 1)[0]
         if path in ("/v1/models", "/models"):
             # The runner's reachability probe: kept apart, so `requests` is the model traffic.
@@ -508,6 +520,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         model = self.server.model
+        if self._key_refused():
+            return
         body = self._read_json()
         if body is None:
             return
@@ -622,7 +636,8 @@ class ModelServer:
     """An OpenAI-compatible server on 127.0.0.1, run in a background thread."""
 
     def __init__(self, latency: float = 0.0, policy: Policy | None = None, record: bool = True,
-                 host: str = "127.0.0.1", port: int = 0, model: str = "mock-model"):
+                 host: str = "127.0.0.1", port: int = 0, model: str = "mock-model", api_key: str | None = None):
+        self.api_key = api_key  # when set, requests without it get a 401
         self.latency = latency
         self.policy = policy
         self.record = record

@@ -278,3 +278,15 @@ def test_prompt_caching_breakpoints_and_cached_tokens(tmp_path, model_server, re
     assert all(isinstance(m["content"], (str, type(None))) for b in _chat(model_server) for m in b["messages"])
     (row,) = read_jsonl(_out(tmp_path, "auto") / "trajectories.jsonl")
     assert row["metadata"]["usage"]["cached_tokens"] == 0
+
+
+def test_probe_names_a_refused_key_before_anything_starts(tmp_path):
+    from tests.model_server import ModelServer
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Row."}])
+    with ModelServer(api_key="sk-right") as server:
+        proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--model=m",
+                        f"--base_url={server.base_url}", "--api_key=sk-wrong"], tmp_path)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "refused the API key (HTTP 401" in proc.stderr and "sk-wrong" not in proc.stderr
+        assert server.count() == 0 and not _out(tmp_path).exists()
