@@ -258,7 +258,9 @@ class RayExecutor:
 
     def describe(self) -> str:
         nodes = sum(1 for a in self.actors if a.ready) if self.actors else self.nodes_at_start
-        return f"Ray: {nodes} node(s) x {self.sessions} session(s)"
+        from runner.console import plural
+
+        return f"Ray: {plural(nodes, 'node')} x {plural(self.sessions, 'session')}"
 
     def start(self) -> None:
         nodes = self._eligible_nodes()

@@ -111,7 +111,7 @@ def test_ray_run_matches_local_run(tmp_path, two_nodes, server):
     ray_proc = run_cli(_args(dataset, server, "--executor=ray", f"--ray_address={cluster.address}",
                              "--sessions_per_node=3"), tmp_path / "ray", timeout=180, env=env)
     assert ray_proc.returncode == 0, ray_proc.stdout + ray_proc.stderr
-    assert "Ray: 2 node(s) x 3 sessions" in ray_proc.stdout
+    assert "Ray: 2 nodes x 3 sessions" in ray_proc.stdout
     server.reset()
     local_proc = run_cli(_args(dataset, server, "--executor=local", "--num_workers=3"), tmp_path / "local",
                          timeout=180, env=env)
@@ -165,7 +165,7 @@ def test_lost_worker_is_replaced_then_rows_fail_when_none_is_left(tmp_path, two_
     executor = RayExecutor(config, {}, log=logs.append)
     executor.NODE_REFRESH = executor.NO_NODE_GRACE = 0.5
     try:
-        assert executor.describe() == "Ray: 2 node(s) x 2 sessions"
+        assert executor.describe() == "Ray: 2 nodes x 2 sessions"
         executor.start()
         assert executor.free_slots() == 4
         executor.submit(_task(0, "@latency 1.5\nslow #0"))
