@@ -101,8 +101,8 @@ USAGE = (
     "usage: python batch_runner.py --dataset_file=FILE --batch_size=N --run_name=NAME [--flag=value ...]\n\n"
     "Run every prompt of a JSONL dataset through a tool-using agent and collect ShareGPT trajectories.\n"
     "Flags are written --flag=value or --flag value; a bare --flag is true and --noflag false.\n"
-    "README.md explains each flag further; exit codes: 0 done, 1 bad input, 2 rows left, 3 provider stop,\n"
-    "4 cost budget, 130 interrupted."
+    "README.md explains each flag further.\n"
+    "Exit codes: 0 done, 1 bad input, 2 rows left, 3 provider stop, 4 cost budget, 5 storage error, 130 interrupted."
 )
 
 

@@ -114,7 +114,7 @@ def test_every_file_the_runner_creates_is_private_and_existing_modes_are_kept(tm
     proc = run_cli(args, tmp_path)
     assert proc.returncode == 0, proc.stderr
     run_dir = tmp_path / "data" / "r"
-    files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
+    files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in run_dir.iterdir() if p.is_file()}
     for name in ("batch_0.jsonl", "batch_1.jsonl", "trajectories.jsonl", "statistics.json", "checkpoint.json",
                  "config.json", "report.html"):
         assert files.pop(name) == 0o600, name
