@@ -702,9 +702,11 @@ class BatchRunner:
         """The local backend without a sandbox runs the model's commands as our own user: say so
         when that user is root, and name the flags that isolate them."""
         from toolset_distributions import get_distribution
+        from tools.registry import tools_for_toolsets
 
         tools = self.config.tools
-        commands = {"terminal", "file"} & set(get_distribution(self.config.distribution)["toolsets"])
+        toolsets = list(get_distribution(self.config.distribution)["toolsets"])
+        commands = any(spec.needs_sandbox for spec in tools_for_toolsets(toolsets, {}))
         if tools.terminal_env == "local" and not tools.sandbox and commands and os.geteuid() == 0:
             print("⚠️  Running as root with --terminal_env=local and no sandbox: the model's commands run as root "
                   "on this machine, unisolated. Isolate them with --sandbox=bwrap or --terminal_env=docker.")

@@ -28,11 +28,8 @@ from agent.trajectory import extract_reasoning_stats, extract_tool_stats, normal
 from agent.types import ProviderError
 from runner.config import RunConfig
 from tools.environments.base import SandboxError
-from tools.registry import TOOL_TO_TOOLSET, ToolContext, tools_for_toolsets
+from tools.registry import ToolContext, tools_for_toolsets
 from toolset_distributions import rng_for_row, sample_toolsets_from_distribution
-
-ENV_TOOLSETS = {"terminal", "file"}  # toolsets whose tools need the sandbox
-
 
 class WorkerRuntime:
     """What one worker process shares between its sessions: built once, not per prompt."""
@@ -126,7 +123,7 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
         tools = tools_for_toolsets(toolsets, runtime.unavailable)
         session = SessionModel(runtime.client, config.model, config.max_tokens, config.extra_body(),
                                stats=CallStats(prices=config.request_prices), tool_choice=config.tool_choice)
-        if any(TOOL_TO_TOOLSET.get(spec.name) in ENV_TOOLSETS for spec in tools):
+        if any(spec.needs_sandbox for spec in tools):
             from tools.environments.factory import create_environment
 
             env = create_environment(config.tools, task_id=task["task_id"], image=task.get("image"), cwd=task.get("cwd"))

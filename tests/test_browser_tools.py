@@ -18,6 +18,7 @@ from agent.model_client import ModelClient, RetryPolicy, SessionModel
 from tests.model_server import ModelServer
 from tests.web_fixtures import FixtureSite, make_ctx, run_cleanups
 from tools import browser_tools as bt
+from tools.registry import unavailable_reason
 from tools.settings import ToolSettings
 
 pytestmark = pytest.mark.browser
@@ -240,9 +241,12 @@ def test_sessions_are_isolated(loop, site, session):
 
 
 def test_unavailable_reasons():
-    assert bt._unavailable(ToolSettings(browser_executable=CHROMIUM)) is None
-    assert "/nope/chromium" in bt._unavailable(ToolSettings(browser_executable="/nope/chromium"))
-    assert "browser_executable" in bt._unavailable(ToolSettings(browser_executable=None))
+    def reason(**settings):
+        return unavailable_reason(bt.TOOLS[0], ToolSettings(**settings))
+
+    assert reason(browser_executable=CHROMIUM) is None
+    assert "/nope/chromium" in reason(browser_executable="/nope/chromium")
+    assert "browser_executable" in reason(browser_executable=None)
     assert [t.name for t in bt.TOOLS] == [
         "browser_navigate", "browser_snapshot", "browser_click", "browser_type", "browser_scroll",
         "browser_back", "browser_press", "browser_close", "browser_get_images", "browser_vision",

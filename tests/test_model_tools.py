@@ -15,6 +15,7 @@ from tests.web_fixtures import BLUE_PNG, RED_PNG, DirEnv, FixtureSite, make_ctx
 from tools import image_generation_tool as imagegen
 from tools import mixture_of_agents_tool as moa
 from tools import vision_tools
+from tools.registry import unavailable_reason
 from tools.settings import ToolSettings
 
 
@@ -196,7 +197,9 @@ def test_unavailable_reasons_without_configuration():
     assert "FAL_KEY or IMAGES_BASE_URL" in imagegen._unavailable(ToolSettings())
     assert "FAL_KEY" in imagegen._unavailable(ToolSettings(image_backend="fal", images_base_url="http://x"))
     assert imagegen._unavailable(ToolSettings(fal_key="k")) is None
-    assert vision_tools._unavailable(ToolSettings(model="")) is not None
-    assert vision_tools._unavailable(ToolSettings(model="m")) is None
-    assert moa._unavailable(ToolSettings(model="")) == "no model configured"
-    assert moa._unavailable(ToolSettings(model="m")) is None
+    vision, = vision_tools.TOOLS
+    assert unavailable_reason(vision, ToolSettings(model="")) == "no model configured for vision"
+    assert unavailable_reason(vision, ToolSettings(model="", vision_model="v")) is None
+    assert unavailable_reason(vision, ToolSettings(model="m")) is None
+    assert unavailable_reason(moa.TOOLS[0], ToolSettings(model="")) == "no model configured"
+    assert unavailable_reason(moa.TOOLS[0], ToolSettings(model="m")) is None

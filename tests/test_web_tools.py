@@ -8,6 +8,7 @@ import pytest
 
 from tests.web_fixtures import FixtureSite, make_ctx
 from tools import web_tools
+from tools.registry import unavailable_reason
 from tools.settings import ToolSettings
 
 SEARCH_ENV = ("SEARXNG_URL", "TAVILY_API_KEY", "EXA_API_KEY", "BRAVE_API_KEY", "FIRECRAWL_API_KEY")
@@ -120,6 +121,6 @@ def test_extract_char_limit_and_per_url_errors(site):
 def test_extract_argument_checks_and_availability():
     assert "error" in extract(urls=[])
     assert "error" in extract(urls=[1, 2])
-    assert web_tools._extract_unavailable(ToolSettings()) is None
+    assert unavailable_reason(web_tools.TOOLS[1], ToolSettings()) is None
     assert [t.name for t in web_tools.TOOLS] == ["web_search", "web_extract"]
     assert web_tools.TOOLS[1].parameters["required"] == ["urls"]

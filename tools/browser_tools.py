@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.util
 import json
 import os
 import re
@@ -471,9 +470,7 @@ async def browser_vision(args: dict, ctx: ToolContext) -> dict:
     return {"analysis": reply.content, "url": shot["url"], "title": shot["title"]}
 
 
-def _unavailable(settings) -> str | None:
-    if importlib.util.find_spec("playwright") is None:
-        return "playwright is not installed (pip install playwright)"
+def _browser_missing(settings) -> str | None:
     exe = settings.browser_executable
     if not exe:
         return "no browser executable configured (browser_executable)"
@@ -484,7 +481,7 @@ def _unavailable(settings) -> str | None:
 
 def _spec(name: str, description: str, handler, properties: dict | None = None, required=()) -> ToolSpec:
     parameters = {"type": "object", "properties": properties or {}, "required": list(required)}
-    return ToolSpec(name, "browser", description, parameters, handler, _unavailable)
+    return ToolSpec(name, "browser", description, parameters, handler, packages=("playwright",), check=_browser_missing)
 
 
 _REF = {"type": "string", "description": 'An element ref from the latest browser_snapshot, e.g. "@e5".'}

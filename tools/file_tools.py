@@ -508,6 +508,7 @@ TOOLS = [
         "count. Binary files are refused.",
         _READ,
         read_file,
+        needs_sandbox=True,
     ),
     ToolSpec(
         "write_file",
@@ -516,6 +517,7 @@ TOOLS = [
         "number of bytes written.",
         _WRITE,
         write_file,
+        needs_sandbox=True,
     ),
     ToolSpec(
         "patch",
@@ -528,6 +530,7 @@ TOOLS = [
         "every hunk applies.",
         _PATCH,
         patch,
+        needs_sandbox=True,
     ),
     ToolSpec(
         "search_files",
@@ -539,5 +542,6 @@ TOOLS = [
         "__pycache__. Results are paged with `limit` and `offset`.",
         _SEARCH,
         search_files,
+        needs_sandbox=True,
     ),
 ]

@@ -153,6 +153,6 @@ TOOLS = [
             "required": ["prompt"],
         },
         handler=image_generate,
-        unavailable_reason=_unavailable,
+        check=_unavailable,  # the backend chosen, or the first configured
     )
 ]

@@ -55,10 +55,6 @@ async def mixture_of_agents(args: dict, ctx: ToolContext) -> dict:
     return {"response": final, "models_used": used, "aggregator_model": aggregator, "failed_models": failed}
 
 
-def _unavailable(settings) -> str | None:
-    return None if settings.model else "no model configured"
-
-
 TOOLS = [
     ToolSpec(
         name="mixture_of_agents",
@@ -79,6 +75,7 @@ TOOLS = [
             "required": ["user_prompt"],
         },
         handler=mixture_of_agents,
-        unavailable_reason=_unavailable,
+        needs_settings=("model",),
+        needs_settings_reason="no model configured",
     )
 ]

@@ -1,13 +1,19 @@
 """The tool registry: schemas, toolsets, availability, and the deterministic list of all tools.
 
-Tool modules are imported lazily (only when a session needs tools) so `--list_distributions` and
-the CLI's validation stay fast. Each tool module exposes `TOOLS: list[ToolSpec]`.
+Each tool module exposes `TOOLS: list[ToolSpec]`; a spec declares its toolset and what it needs
+(a sandbox, packages, settings), and everything else is derived from the specs: the toolsets, the
+sorted list of all tools, which tools a run can offer. Adding a tool = its spec in its module (and,
+for a new module, one line in TOOL_MODULES). Tool modules are imported on first use (only when a
+session needs tools or a catalogue is read) so `--list_distributions` and the CLI's validation
+stay fast.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -16,34 +22,8 @@ if TYPE_CHECKING:
     from tools.environments.base import Environment
     from tools.settings import ToolSettings
 
-# Toolset -> tools, fixed by the reference (tool_interfaces.md). Static so that validation,
-# normalisation and the merge filter never depend on what happened to import.
-TOOLSETS: dict[str, tuple[str, ...]] = {
-    "terminal": ("terminal", "process"),
-    "file": ("read_file", "write_file", "patch", "search_files"),
-    "web": ("web_search", "web_extract"),
-    "browser": (
-        "browser_navigate",
-        "browser_snapshot",
-        "browser_click",
-        "browser_type",
-        "browser_scroll",
-        "browser_back",
-        "browser_press",
-        "browser_close",
-        "browser_get_images",
-        "browser_vision",
-        "browser_console",
-    ),
-    "vision": ("vision_analyze",),
-    "image_gen": ("image_generate",),
-    "moa": ("mixture_of_agents",),
-}
-
-# Every tool a trajectory may name, sorted: the key order of tool_stats / tool_error_counts.
-ALL_TOOL_NAMES: tuple[str, ...] = tuple(sorted(t for tools in TOOLSETS.values() for t in tools))
-TOOL_TO_TOOLSET: dict[str, str] = {t: ts for ts, tools in TOOLSETS.items() for t in tools}
-
+# The tool modules, in toolset order: the one line to add for a new tool module. The toolsets, their
+# tool order and ALL_TOOL_NAMES are derived from the specs these modules declare.
 TOOL_MODULES = (
     "tools.terminal_tool",
     "tools.file_tools",
@@ -72,13 +52,23 @@ ToolHandler = Callable[[dict, ToolContext], Awaitable[Any]]
 
 @dataclass(frozen=True)
 class ToolSpec:
+    """One tool: its schema, its handler, and what it needs to be offered in a run."""
+
     name: str
     toolset: str
     description: str
     parameters: dict  # JSON schema of the arguments object
     handler: ToolHandler
-    # Returns None when usable with these settings, else the reason it is not (e.g. "no SEARXNG_URL").
-    unavailable_reason: Callable[["ToolSettings"], str | None] = lambda settings: None
+    # The worker starts the task's environment (sandbox, container) only for sessions with such a tool.
+    needs_sandbox: bool = False
+    # Python packages the handler imports; a missing one: "<package> is not installed (pip install <package>)".
+    packages: tuple[str, ...] = ()
+    # ToolSettings fields of which at least one must be set, and the reason given when none is.
+    needs_settings: tuple[str, ...] = ()
+    needs_settings_reason: str = ""
+    # What a declaration cannot say (a backend chosen among several, a browser binary on disk):
+    # returns None when usable with these settings, else the reason it is not.
+    check: Callable[["ToolSettings"], str | None] | None = None
 
     def openai_schema(self) -> dict:
         return {
@@ -91,49 +81,82 @@ _TOOLS: dict[str, ToolSpec] | None = None
 
 
 def all_tools() -> dict[str, ToolSpec]:
-    """Every registered tool by name (imports the tool modules once per process)."""
+    """Every registered tool by name, in toolset order (imports the tool modules once per process)."""
     global _TOOLS
     if _TOOLS is None:
         tools: dict[str, ToolSpec] = {}
         for module_name in TOOL_MODULES:
             for spec in importlib.import_module(module_name).TOOLS:
-                if TOOL_TO_TOOLSET.get(spec.name) != spec.toolset:
-                    raise RuntimeError(f"tool {spec.name!r} is not declared in toolset {spec.toolset!r}")
+                if spec.name in tools:
+                    raise RuntimeError(f"tool {spec.name!r} is declared twice ({module_name})")
                 tools[spec.name] = spec
         _TOOLS = tools
     return _TOOLS
 
 
+@functools.cache
+def toolsets() -> dict[str, tuple[str, ...]]:
+    """Toolset -> its tools, both in the order the modules declare them."""
+    catalogue: dict[str, tuple[str, ...]] = {}
+    for spec in all_tools().values():
+        catalogue[spec.toolset] = (*catalogue.get(spec.toolset, ()), spec.name)
+    return catalogue
+
+
+@functools.cache
+def all_tool_names() -> tuple[str, ...]:
+    """Every tool a trajectory may name, sorted: the key order of tool_stats / tool_error_counts."""
+    return tuple(sorted(all_tools()))
+
+
+def __getattr__(name: str) -> Any:
+    # `TOOLSETS` and `ALL_TOOL_NAMES` read like constants but are derived from the specs, so they
+    # are built on first use (importing the tool modules), not when this module is imported.
+    if name == "TOOLSETS":
+        return toolsets()
+    if name == "ALL_TOOL_NAMES":
+        return all_tool_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def validate_toolset(name: str) -> bool:
-    return name in TOOLSETS
+    return name in toolsets()
 
 
 def tool_schema_version() -> str:
     """A short hash of every tool schema: part of the run fingerprint."""
-    schemas = [all_tools()[name].openai_schema() for name in ALL_TOOL_NAMES if name in all_tools()]
+    schemas = [all_tools()[name].openai_schema() for name in all_tool_names()]
     blob = json.dumps(schemas, sort_keys=True, ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def unavailable_reason(spec: ToolSpec, settings: "ToolSettings") -> str | None:
+    """None when the tool can be offered with these settings, else why not (shown to the user)."""
+    for package in spec.packages:
+        if importlib.util.find_spec(package) is None:
+            return f"{package} is not installed (pip install {package})"
+    if spec.needs_settings and not any(getattr(settings, name) for name in spec.needs_settings):
+        return spec.needs_settings_reason
+    return spec.check(settings) if spec.check else None
+
+
 def unavailable_tools(settings: "ToolSettings") -> dict[str, str]:
-    """Tool name -> why it cannot be offered in this run (computed once per run)."""
+    """Tool name -> why it cannot be offered in this run (computed once per run), in sorted order."""
     reasons = {}
-    registered = all_tools()
-    for name in ALL_TOOL_NAMES:
-        spec = registered.get(name)
-        reason = "not implemented" if spec is None else spec.unavailable_reason(settings)
+    for name in all_tool_names():
+        reason = unavailable_reason(all_tools()[name], settings)
         if reason:
             reasons[name] = reason
     return reasons
 
 
-def tools_for_toolsets(toolsets: list[str], unavailable: dict[str, str]) -> list[ToolSpec]:
+def tools_for_toolsets(names: list[str], unavailable: dict[str, str]) -> list[ToolSpec]:
     """The tools offered to the model for these toolsets, in toolset order, without duplicates."""
-    registered = all_tools()
+    registered, catalogue = all_tools(), toolsets()
     chosen: list[ToolSpec] = []
     seen: set[str] = set()
-    for toolset in toolsets:
-        for name in TOOLSETS.get(toolset, ()):
+    for toolset in names:
+        for name in catalogue.get(toolset, ()):
             if name not in seen and name not in unavailable:
                 seen.add(name)
                 chosen.append(registered[name])

@@ -396,6 +396,6 @@ _PROCESS_PARAMETERS = {
 }
 
 TOOLS = [
-    ToolSpec("terminal", "terminal", TERMINAL_DESCRIPTION, _TERMINAL_PARAMETERS, terminal),
-    ToolSpec("process", "terminal", PROCESS_DESCRIPTION, _PROCESS_PARAMETERS, process),
+    ToolSpec("terminal", "terminal", TERMINAL_DESCRIPTION, _TERMINAL_PARAMETERS, terminal, needs_sandbox=True),
+    ToolSpec("process", "terminal", PROCESS_DESCRIPTION, _PROCESS_PARAMETERS, process, needs_sandbox=True),
 ]

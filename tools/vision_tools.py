@@ -91,10 +91,6 @@ async def vision_analyze(args: dict, ctx: ToolContext) -> dict:
     return {"analysis": reply.content}
 
 
-def _unavailable(settings) -> str | None:
-    return None if (settings.vision_model or settings.model) else "no model configured for vision"
-
-
 TOOLS = [
     ToolSpec(
         name="vision_analyze",
@@ -112,6 +108,7 @@ TOOLS = [
             "required": ["image_url", "question"],
         },
         handler=vision_analyze,
-        unavailable_reason=_unavailable,
+        needs_settings=("vision_model", "model"),
+        needs_settings_reason="no model configured for vision",
     )
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import re
 from typing import Any
@@ -185,16 +184,6 @@ async def web_extract(args: dict, ctx: ToolContext) -> dict:
     return {"results": list(pages)}
 
 
-def _extract_unavailable(settings) -> str | None:
-    # web_extract needs no key or service: only outbound HTTP, which every worker has. It is offered
-    # even when the network turns out to be closed: each URL's failure comes back inside the result
-    # for the model to react to, and the set of offered tools stays the same from run to run instead
-    # of depending on a reachability probe. Only a missing converter package disables it.
-    if importlib.util.find_spec("html2text") is None:
-        return "html2text is not installed (pip install html2text)"
-    return None
-
-
 TOOLS = [
     ToolSpec(
         name="web_search",
@@ -215,7 +204,7 @@ TOOLS = [
             "required": ["query"],
         },
         handler=web_search,
-        unavailable_reason=_search_unavailable,
+        check=_search_unavailable,  # the backend chosen, or the first configured
     ),
     ToolSpec(
         name="web_extract",
@@ -240,6 +229,10 @@ TOOLS = [
             "required": ["urls"],
         },
         handler=web_extract,
-        unavailable_reason=_extract_unavailable,
+        # web_extract needs no key or service: only outbound HTTP, which every worker has. It is
+        # offered even when the network turns out to be closed: each URL's failure comes back inside
+        # the result for the model to react to, and the set of offered tools stays the same from run
+        # to run instead of depending on a reachability probe. Only a missing converter disables it.
+        packages=("html2text",),
     ),
 ]
