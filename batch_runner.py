@@ -233,6 +233,7 @@ def build_config(**flags: Any):
     from runner import secrets
     from runner.budget import cost_options as budget_options
     from runner.config import PROMPT_CACHING, PROVIDER_SORTS, TOOL_CHOICES, RunConfig
+    from tools.environments import BACKENDS, backend_choices
     from tools.settings import ToolSettings
 
     if not flags["dataset_file"] or flags["dataset_file"] is True:
@@ -275,8 +276,8 @@ def build_config(**flags: Any):
             "(or OPENAI_API_KEY); for an offline try-out use --model=mock"
         )
     terminal_env = str(flags["terminal_env"] or os.environ.get("TERMINAL_ENV") or "local")
-    if terminal_env not in ("local", "docker", "singularity", "modal"):
-        raise UsageError(f"--terminal_env must be local, docker, singularity or modal (got {terminal_env!r})")
+    if terminal_env not in BACKENDS:
+        raise UsageError(f"--terminal_env must be {backend_choices()} (got {terminal_env!r})")
     sandbox = flags["sandbox"]
     if sandbox not in (None, "none", "bwrap"):
         raise UsageError(f"--sandbox must be 'bwrap' or 'none' (got {sandbox!r})")
@@ -746,28 +747,23 @@ class BatchRunner:
             }
 
     def _rows_need_image(self) -> bool:
-        """Under docker without --docker_image, a row naming no image is invalid (found before any cost)."""
-        return self.config.tools.terminal_env == "docker" and not self.config.tools.docker_image
+        """A row naming no image is invalid (found before any cost) when the backend says so and
+        the run has no default image."""
+        from tools.environments import backend_class
+
+        tools = self.config.tools
+        return backend_class(tools.terminal_env).rows_need_image and not tools.docker_image
 
     def _prepare_images(self, scan) -> dict[str, str]:
-        """Check (and pull) every distinct image once, before any model call."""
-        tools = self.config.tools
-        if tools.terminal_env != "docker" or self.config.executor == "ray":
-            return {}  # with Ray, each node checks (and pulls) the images it needs itself
-        from tools.environments.images import prepare_images, reap_stale_containers
+        """The backend's run preparation (docker: check and pull every distinct image once), before
+        any model call. Returns image -> why it cannot be used."""
+        if self.config.executor == "ray":
+            return {}  # with Ray, each node prepares the images it needs itself
+        from tools.environments import backend_class
 
-        try:
-            reap_stale_containers(log=self.log)
-        except Exception as err:  # no daemon: every row will fail as environment below
-            return {image: f"Docker is not available: {err}" for image in scan.images | {tools.docker_image or ""}}
-        images = set(scan.images)
-        if tools.docker_image:
-            images.add(tools.docker_image)
-        if not images:
-            return {}
-        print(f"🐳 Checking {len(images)} container image(s)...")
-        status = prepare_images(images, progress=lambda image, state: self.log(f"   {image}: {state}"))
-        return {image: error for image, error in status.items() if error}
+        tools = self.config.tools
+        images = {image for image in scan.images | {tools.docker_image} if image}
+        return backend_class(tools.terminal_env).prepare_run(tools, images, say=print, log=self.log)
 
     def _execute(self, scan, store, executor, remaining: int) -> int:
         from runner.console import progress

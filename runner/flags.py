@@ -13,6 +13,8 @@ import difflib
 import re
 from dataclasses import dataclass
 
+from tools.environments import backend_choices
+
 ORIGINAL = "The original's flags"
 NEW = "New flags"
 
@@ -69,7 +71,7 @@ FLAGS: list[Flag] = _flags(
     ("request_timeout", "600", "Limit of one model request, seconds (then retried)."),
     ("max_requests_per_minute", "none", "Pace model requests for the whole run."),
     ("grace_period", "30", "After the first Ctrl-C, seconds in-flight prompts may take to finish."),
-    ("terminal_env", "$TERMINAL_ENV or local", "Where commands run: local, docker, singularity or modal."),
+    ("terminal_env", "$TERMINAL_ENV or local", f"Where commands run: {backend_choices()}."),
     ("docker_image", "", "Image for rows that name none (--terminal_env=docker)."),
     ("sandbox", "", "bwrap: run local commands under bubblewrap."),
     ("keep_workdirs", "off", "Keep the per-prompt working directories (local backend)."),

@@ -53,8 +53,7 @@ class NodeWorker:
         self.node_missing: dict[str, str] = {}  # tools the driver offers but this node cannot run
         self.logs: list[str] = []
         self.running: set[asyncio.Task] = set()
-        self.images: dict[str, asyncio.Task] = {}  # docker: image -> check/pull on this node, once
-        self.reaped = False
+        self.images: dict[str, asyncio.Task] = {}  # image -> its preparation on this node, once
 
     def _runtime(self):
         if self.runtime is None:
@@ -100,27 +99,20 @@ class NodeWorker:
         return {"record": record, "logs": logs}
 
     async def _image_error(self, task: dict) -> str | None:
-        """Docker: the row's image must exist on this node; check (and pull) it once per node."""
-        tools = self.config.tools
-        if tools.terminal_env != "docker":
-            return None
-        image = task.get("image") or tools.docker_image
+        """The row's image must be ready on this node: the backend prepares it once per node (docker:
+        reaps containers dead runs left here, then checks or pulls it)."""
+        image = task.get("image") or self.config.tools.docker_image
         if not image:
-            return None  # create_environment explains what is missing
+            return None  # create_environment explains what is missing, if the backend needs one
         if image not in self.images:
             self.images[image] = asyncio.ensure_future(asyncio.to_thread(self._prepare_image, image))
         return await asyncio.shield(self.images[image])
 
     def _prepare_image(self, image: str) -> str | None:
-        from tools.environments.images import prepare_images, reap_stale_containers
+        from tools.environments import backend_class
 
-        if not self.reaped:  # containers leaked on this host by an earlier, dead run
-            self.reaped = True
-            try:
-                reap_stale_containers(log=self._log)
-            except Exception as err:
-                return f"Docker is not available on this node: {err}"
-        return prepare_images({image}).get(image)
+        tools = self.config.tools
+        return backend_class(tools.terminal_env).prepare_run(tools, {image}, say=self._log, log=self._log).get(image)
 
     async def close(self, cancel: bool = False) -> None:
         """Cancel running sessions if asked (their sandboxes are removed), then close the clients."""

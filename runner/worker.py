@@ -124,7 +124,7 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
         session = SessionModel(runtime.client, config.model, config.max_tokens, config.extra_body(),
                                stats=CallStats(prices=config.request_prices), tool_choice=config.tool_choice)
         if any(spec.needs_sandbox for spec in tools):
-            from tools.environments.factory import create_environment
+            from tools.environments import create_environment
 
             env = create_environment(config.tools, task_id=task["task_id"], image=task.get("image"), cwd=task.get("cwd"))
             await asyncio.to_thread(env.start)

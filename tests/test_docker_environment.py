@@ -11,9 +11,9 @@ import pytest
 from docker.errors import NotFound
 
 from tests.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, NO_PASSWD_IMAGE, ready_client
+from tools.environments import create_environment
 from tools.environments.base import SandboxError
 from tools.environments.docker import DockerConfig, DockerEnvironment
-from tools.environments.factory import create_environment
 from tools.environments.images import prepare_images, reap_stale_containers
 from tools.settings import ToolSettings
 

@@ -1,4 +1,4 @@
-"""Unit tests of the backends that cannot run here (apptainer, Modal) and of the backend factory.
+"""Unit tests of the backends that cannot run here (apptainer, Modal) and of the backend registry.
 
 Singularity: an injected runner records the exact command lines. Modal: a fake `modal` module in
 sys.modules records the SDK calls. Neither proves the real tool behaves as assumed.
@@ -15,11 +15,10 @@ import types
 
 import pytest
 
+from tools.environments import create_environment
 from tools.environments import modal as modal_backend
 from tools.environments import singularity as singularity_backend
-from tools.environments.base import SandboxError
-from tools.environments.docker import EXEC_MARK, kill_marked_processes_script
-from tools.environments.factory import create_environment
+from tools.environments.base import EXEC_MARK, SandboxError, kill_marked_processes_script
 from tools.environments.modal import IN_DIR, KEEP_ALIVE, PROBE, ModalConfig, ModalEnvironment
 from tools.environments.singularity import SingularityConfig, SingularityEnvironment, run_command
 from tools.settings import ToolSettings
@@ -398,7 +397,7 @@ def test_modal_not_installed(monkeypatch):
         started_modal()
 
 
-# -- factory ----------------------------------------------------------------------------------
+# -- registry ---------------------------------------------------------------------------------
 
 
 def settings(backend: str, **options) -> ToolSettings:
@@ -442,3 +441,34 @@ def test_factory_local_ignores_image(tmp_path):
 def test_factory_unknown_backend():
     with pytest.raises(ValueError, match="unknown terminal_env 'daytona'"):
         create_environment(settings("daytona"), task_id="t", image="x", cwd=None)
+
+
+def test_registry_names_every_backend_module_and_class():
+    from tools.environments import BACKENDS, backend_class
+    from tools.environments.base import Backend
+
+    assert list(BACKENDS) == ["local", "docker", "singularity", "modal"]
+    for name in BACKENDS:
+        assert issubclass(backend_class(name), Backend)
+
+
+def test_no_backend_imports_another_and_none_imports_an_sdk_it_does_not_use():
+    """Each backend module imports only base (and its own SDK): singularity never drags in docker."""
+    import ast
+    from pathlib import Path
+
+    from tools.environments import BACKENDS
+
+    folder = Path(create_environment.__code__.co_filename).parent
+    modules = {target.partition(":")[0] for target in BACKENDS.values()}
+    for module in modules:
+        tree = ast.parse((folder / f"{module}.py").read_text())
+        imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        siblings = {name.lstrip(".").removeprefix("tools.environments.") for name in imported} & (modules - {module})
+        assert not siblings, f"{module}.py imports {siblings}"
+    probe = ("import sys; from tools.environments import backend_class; "
+             "[backend_class(n) for n in ('local', 'singularity', 'modal')]; print('docker' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=folder.parent.parent).stdout
+    assert out.strip() == "False"

@@ -1,15 +1,21 @@
-"""The one sandbox interface every backend implements.
+"""The one sandbox interface every backend implements, and the helpers backends share.
 
 A backend is a pydantic config plus a class with `start()`, `execute()`, file access and
-`cleanup()` (the mini-swe-agent shape). Everything here is synchronous: the agent loop runs it in
-a worker thread (`asyncio.to_thread`) so a slow container never blocks other sessions.
+`cleanup()` (the mini-swe-agent shape), derived from `Backend` so that it can build itself from the
+run's ToolSettings and prepare a run. Everything here is synchronous: the agent loop runs it in a
+worker thread (`asyncio.to_thread`) so a slow container never blocks other sessions.
+
+Backends import only this module, never one another (the registry is tools/environments/__init__.py).
 """
 
 from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from tools.settings import ToolSettings
 
 
 class SandboxError(Exception):
@@ -57,3 +63,89 @@ def truncate_output(text: str, limit: int) -> str:
     tail = limit - head
     omitted = len(text) - head - tail
     return f"{text[:head]}\n\n... [{omitted} characters omitted] ...\n\n{text[-tail:]}"
+
+
+class Backend:
+    """What the registry needs of a backend class, with defaults for backends that need nothing."""
+
+    # True: without a default image (--docker_image), a row naming no image is an invalid line,
+    # found before the run (docker). The other container backends fail such a row when it starts.
+    rows_need_image = False
+
+    @classmethod
+    def from_settings(cls, settings: ToolSettings, *, task_id: str, image: str | None, cwd: str | None) -> Environment:
+        """Build (not start) the environment of one session: `image` and `cwd` are the row's."""
+        raise NotImplementedError
+
+    @classmethod
+    def prepare_run(cls, settings: ToolSettings, images: set[str], *, say: Callable[[str], None],
+                    log: Callable[[str], None]) -> dict[str, str]:
+        """Once per run (under Ray: once per node and image), before any model call: get the images
+        ready. Returns image -> why it cannot be used, for the images that cannot; rows using those
+        fail as `environment` without a model call. `say` prints to the console, `log` is verbose."""
+        return {}
+
+
+def container_image(settings: ToolSettings, image: str | None) -> str:
+    """The row's image, else the run's default; a container backend cannot start without one."""
+    image = image or settings.docker_image
+    if not image:
+        raise SandboxError(
+            f"terminal_env={settings.terminal_env} needs a container image: give the row an 'image' (or "
+            "'docker_image') field, or set a default image for the run (docker_image)"
+        )
+    return image
+
+
+# -- timeouts in containers: every command carries a marker; a second command kills its holders --
+
+EXEC_MARK = "ABR_EXEC_ID"
+
+
+def kill_marked_processes_script(token: str) -> str:
+    """A POSIX sh script that SIGKILLs every process whose environment holds EXEC_MARK=token."""
+    # Three passes catch children forked while the first pass ran. Bash warns about the NUL bytes
+    # of /proc/*/environ in command substitutions, hence the silenced stderr.
+    return (
+        "exec 2>/dev/null; for i in 1 2 3; do for d in /proc/[0-9]*; do "
+        f'case "$(cat "$d/environ")" in *"{EXEC_MARK}={token}"*) kill -9 "${{d#/proc/}}";; esac; '
+        "done; done; exit 0"
+    )
+
+
+class OutputCapture:
+    """Collects command output; beyond `cap` bytes keeps only the head and the tail (cap each), so a
+    flood of output cannot eat memory. `cap=None` keeps everything."""
+
+    def __init__(self, cap: int | None = None):
+        self.cap = cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        if self.cap is None:
+            self.head += chunk
+            return
+        room = self.cap - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        self.tail += chunk
+        if len(self.tail) > self.cap:
+            excess = len(self.tail) - self.cap
+            del self.tail[:excess]
+            self.dropped += excess
+
+    def drain(self, stream) -> None:
+        """Read a binary stream (a pipe) to its end, then close it."""
+        with stream:
+            while chunk := stream.read1(65536):
+                self.add(chunk)
+
+    def data(self) -> bytes:
+        middle = f"\n\n... [{self.dropped} bytes omitted] ...\n\n".encode() if self.dropped else b""
+        return bytes(self.head) + middle + bytes(self.tail)
+
+    def text(self) -> str:
+        return self.data().decode("utf-8", errors="replace")

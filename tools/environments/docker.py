@@ -33,12 +33,12 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from pydantic import BaseModel, Field
 
-from .base import ExecResult, SandboxError, truncate_output
+from .base import (EXEC_MARK, Backend, ExecResult, OutputCapture, SandboxError, container_image,
+                   kill_marked_processes_script, truncate_output)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CWD = "/workspace"
-EXEC_MARK = "ABR_EXEC_ID"
 # Keeps the container alive with nothing but a POSIX shell and `sleep`; exits promptly on TERM.
 KEEP_ALIVE = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done"
 # Set up the working directory (as root) and hand it to the image's user, if it has one.
@@ -56,48 +56,6 @@ def exec_failure(code: int | None, output: bytes, command: list[str]) -> str:
     return said or f"exit code {code} from {' '.join(command)!r}, no output"
 
 
-def kill_marked_processes_script(token: str) -> str:
-    """A POSIX sh script that SIGKILLs every process whose environment holds EXEC_MARK=token."""
-    # Three passes catch children forked while the first pass ran. Bash warns about the NUL bytes
-    # of /proc/*/environ in command substitutions, hence the silenced stderr.
-    return (
-        "exec 2>/dev/null; for i in 1 2 3; do for d in /proc/[0-9]*; do "
-        f'case "$(cat "$d/environ")" in *"{EXEC_MARK}={token}"*) kill -9 "${{d#/proc/}}";; esac; '
-        "done; done; exit 0"
-    )
-
-
-class OutputBuffer:
-    """Collects command output; beyond `cap` bytes keeps only the head and the tail (cap each)."""
-
-    def __init__(self, cap: int | None = None):
-        self.cap = cap
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.dropped = 0
-
-    def add(self, chunk: bytes) -> None:
-        if self.cap is None:
-            self.head += chunk
-            return
-        room = self.cap - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        self.tail += chunk
-        if len(self.tail) > self.cap:
-            excess = len(self.tail) - self.cap
-            del self.tail[:excess]
-            self.dropped += excess
-
-    def data(self) -> bytes:
-        middle = f"\n\n... [{self.dropped} bytes omitted] ...\n\n".encode() if self.dropped else b""
-        return bytes(self.head) + middle + bytes(self.tail)
-
-    def text(self) -> str:
-        return self.data().decode("utf-8", errors="replace")
-
-
 class DockerConfig(BaseModel):
     image: str
     task_id: str
@@ -110,7 +68,9 @@ class DockerConfig(BaseModel):
     command_timeout: float = 180.0
 
 
-class DockerEnvironment:
+class DockerEnvironment(Backend):
+    rows_need_image = True
+
     def __init__(self, config: DockerConfig, *, client: docker.DockerClient | None = None):
         self.config = config
         self.workdir = config.cwd or DEFAULT_CWD
@@ -119,6 +79,32 @@ class DockerEnvironment:
         self._owns_client = client is None
         self._container = None
         self._user = ""
+
+    @classmethod
+    def from_settings(cls, settings, *, task_id: str, image: str | None, cwd: str | None) -> DockerEnvironment:
+        # The container itself adds abr.task_id and its owner (os.getpid() and host) at start.
+        return cls(DockerConfig(
+            image=container_image(settings, image), task_id=task_id, cwd=cwd,
+            memory=settings.container_memory, cpus=settings.container_cpus, network=settings.container_network,
+            labels={"abr.run_name": settings.run_name, "abr.run_id": settings.run_id},
+            max_output_chars=settings.max_output_chars, command_timeout=settings.command_timeout,
+        ))
+
+    @classmethod
+    def prepare_run(cls, settings, images, *, say, log) -> dict[str, str]:
+        """Remove the containers earlier, dead runners on this host left, then check (and pull)
+        every distinct image once."""
+        from .images import prepare_images, reap_stale_containers
+
+        try:
+            reap_stale_containers(log=log)
+        except Exception as err:  # no daemon: every row will fail as environment
+            return {image: f"Docker is not available: {err}" for image in images}
+        if not images:
+            return {}
+        say(f"🐳 Checking {len(images)} container image(s)...")
+        status = prepare_images(images, progress=lambda image, state: log(f"   {image}: {state}"))
+        return {image: error for image, error in status.items() if error}
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -202,7 +188,7 @@ class DockerEnvironment:
         except DockerException as exc:
             raise self._failure(exc) from exc
 
-        output = OutputBuffer(self.config.max_output_chars * 4)  # 4: worst-case UTF-8 bytes per char
+        output = OutputCapture(self.config.max_output_chars * 4)  # 4: worst-case UTF-8 bytes per char
         errors: list[Exception] = []
 
         def drain() -> None:

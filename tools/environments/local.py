@@ -25,7 +25,7 @@ import uuid
 
 from pydantic import BaseModel
 
-from tools.environments.base import ExecResult, SandboxError, quote, truncate_output
+from tools.environments.base import Backend, ExecResult, OutputCapture, SandboxError, quote, truncate_output
 
 BWRAP_MISSING = "--sandbox=bwrap needs bubblewrap: apt-get install bubblewrap"
 # Variables that look like credentials never reach commands: a model that runs `env` would
@@ -49,7 +49,7 @@ class LocalConfig(BaseModel):
     command_timeout: float = 180
 
 
-class LocalEnvironment:
+class LocalEnvironment(Backend):
     def __init__(self, config: LocalConfig):
         self.config = config
         self.workdir = ""
@@ -59,6 +59,14 @@ class LocalEnvironment:
         self._holder: subprocess.Popen | None = None  # bwrap: keeps the sandbox alive
         self._sandbox_pid = 0  # bwrap: host pid of the sandbox's init process
         self._sandbox_ns: tuple[int, int] | None = None  # its pid namespace, to never kill a recycled pid
+
+    @classmethod
+    def from_settings(cls, settings, *, task_id: str, image: str | None, cwd: str | None) -> LocalEnvironment:
+        """The local backend has no image: it ignores the row's."""
+        return cls(LocalConfig(
+            task_id=task_id, workdir_root=settings.workdir_root, cwd=cwd, keep_workdir=settings.keep_workdirs,
+            sandbox=settings.sandbox, max_output_chars=settings.max_output_chars, command_timeout=settings.command_timeout,
+        ))
 
     def start(self) -> None:
         cfg = self.config
@@ -154,7 +162,7 @@ class LocalEnvironment:
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, so a timeout can kill all of it
         )  # fmt: skip
-        capture = _Capture(self.config.max_output_chars * 4)
+        capture = OutputCapture(self.config.max_output_chars * 4)  # 4: worst-case UTF-8 bytes per char
         reader = threading.Thread(target=capture.drain, args=(proc.stdout,), daemon=True)
         reader.start()
         timed_out = False
@@ -285,32 +293,6 @@ def remove_workdirs(root: str | None, prefix: str) -> int:
             shutil.rmtree(entry.path, onerror=_force_remove)
             removed += 1
     return removed
-
-
-class _Capture:
-    """Collects a stream, keeping only its head and its tail so a flood of output cannot eat memory."""
-
-    def __init__(self, limit: int):
-        self.limit, self.total = limit, 0
-        self.head, self.tail = bytearray(), bytearray()
-
-    def drain(self, stream) -> None:
-        with stream:
-            for chunk in iter(lambda: stream.read1(65536), b""):
-                self.total += len(chunk)
-                room = self.limit - len(self.head)
-                if room > 0:
-                    self.head += chunk[:room]
-                    chunk = chunk[room:]
-                if chunk:
-                    self.tail += chunk
-                    del self.tail[: -self.limit]
-
-    def text(self) -> str:
-        head, tail = bytes(self.head), bytes(self.tail)
-        skipped = self.total - len(head) - len(tail)
-        gap = f"\n... [{skipped} bytes omitted] ...\n" if skipped > 0 else ""
-        return head.decode(errors="replace") + gap + tail.decode(errors="replace")
 
 
 def _signal(pid: int, sig: int = signal.SIGKILL) -> None:

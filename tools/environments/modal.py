@@ -19,7 +19,7 @@ import time
 
 from pydantic import BaseModel
 
-from .base import ExecResult, SandboxError, truncate_output
+from .base import Backend, ExecResult, SandboxError, container_image, truncate_output
 
 DEFAULT_CWD = "/workspace"
 KEEP_ALIVE = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done"
@@ -60,11 +60,19 @@ class ModalConfig(BaseModel):
     command_timeout: float = 180.0
 
 
-class ModalEnvironment:
+class ModalEnvironment(Backend):
     def __init__(self, config: ModalConfig):
         self.config = config
         self.workdir = config.cwd or DEFAULT_CWD
         self._sandbox = None
+
+    @classmethod
+    def from_settings(cls, settings, *, task_id: str, image: str | None, cwd: str | None) -> ModalEnvironment:
+        return cls(ModalConfig(
+            image=container_image(settings, image), task_id=task_id, cwd=cwd,
+            memory=settings.container_memory, cpus=settings.container_cpus, network=settings.container_network,
+            max_output_chars=settings.max_output_chars, command_timeout=settings.command_timeout,
+        ))
 
     def start(self) -> None:
         if self._sandbox is not None:

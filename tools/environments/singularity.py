@@ -28,8 +28,8 @@ from typing import Callable
 
 from pydantic import BaseModel
 
-from .base import ExecResult, SandboxError, truncate_output
-from .docker import EXEC_MARK, OutputBuffer, kill_marked_processes_script
+from .base import (EXEC_MARK, Backend, ExecResult, OutputCapture, SandboxError, container_image,
+                   kill_marked_processes_script, truncate_output)
 
 DEFAULT_CWD = "/workspace"
 
@@ -45,13 +45,8 @@ def run_command(argv: list[str], *, input: bytes | None = None, timeout: float |
         argv, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
-    output = OutputBuffer(limit)
-
-    def drain() -> None:
-        while chunk := process.stdout.read1(65536):
-            output.add(chunk)
-
-    reader = threading.Thread(target=drain, daemon=True)
+    output = OutputCapture(limit)
+    reader = threading.Thread(target=output.drain, args=(process.stdout,), daemon=True)
     reader.start()
     if input is not None:
         try:
@@ -91,7 +86,7 @@ class SingularityConfig(BaseModel):
     command_timeout: float = 180.0
 
 
-class SingularityEnvironment:
+class SingularityEnvironment(Backend):
     def __init__(self, config: SingularityConfig, *, runner: Runner = run_command):
         self.config = config
         self.workdir = config.cwd or DEFAULT_CWD
@@ -100,6 +95,15 @@ class SingularityEnvironment:
         self._run = runner
         self._exe = config.executable
         self._started = False
+
+    @classmethod
+    def from_settings(cls, settings, *, task_id: str, image: str | None, cwd: str | None) -> SingularityEnvironment:
+        return cls(SingularityConfig(
+            image=container_image(settings, image), task_id=task_id, cwd=cwd,
+            memory=settings.container_memory, cpus=settings.container_cpus, network=settings.container_network,
+            workdir_root=settings.workdir_root, keep_workdir=settings.keep_workdirs,
+            max_output_chars=settings.max_output_chars, command_timeout=settings.command_timeout,
+        ))
 
     @property
     def image_uri(self) -> str:
