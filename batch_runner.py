@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -418,6 +419,7 @@ class BatchRunner:
         self._bar = None
         self._monitor = None  # runner.status.RunMonitor of this invocation
         self._streaks: dict[str, int] = {}  # failure class -> rows in a row that failed with it
+        self.started_at = datetime.now().isoformat()
 
     # --- logging that does not tear the progress bar --------------------------------------
 
@@ -442,6 +444,7 @@ class BatchRunner:
         config = self.config
         register_config(config)  # every key is redacted from records and console lines
         config.tool_schema_version = tool_schema_version()
+        self._settle_seed()  # before the workers start: they sample with it
         unavailable = unavailable_tools(config.tools)
         # Workers start now, so their imports overlap with reading the dataset and the run directory.
         with environment_without_keys():  # workers, and every command they start, never see a key
@@ -557,6 +560,24 @@ class BatchRunner:
                 "or --overwrite to start again from scratch"
             )
 
+    def _settle_seed(self) -> None:
+        """Without --seed, the run's seed is drawn once and recorded in config.json, so every row
+        records the seed its sample came from and a resume samples with the same one."""
+        import json
+        import secrets
+
+        if self.config.seed is not None:
+            return
+        saved = None
+        if self.resume:
+            try:
+                recorded = json.loads((self.run_dir / "config.json").read_text())["config"]
+                saved = recorded.get("seed") if recorded.get("seed_drawn") else None
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                saved = None
+        self.config.seed = saved if isinstance(saved, int) else secrets.randbelow(2**31)
+        self.config.seed_drawn = True
+
     def _check_fingerprint(self) -> None:
         import json
 
@@ -585,12 +606,15 @@ class BatchRunner:
         from runner.store import atomic_write_json
 
         path = self.run_dir / "config.json"
-        created = None
-        if path.exists():
+        created, invocations = None, []
+        if path.exists() and not self.overwrite:
             try:
-                created = json.loads(path.read_text()).get("created_at")
-            except (OSError, ValueError, AttributeError):
+                saved = json.loads(path.read_text())
+                created, invocations = saved.get("created_at"), list(saved.get("invocations") or [])
+            except (OSError, ValueError, AttributeError, TypeError):
                 pass
+        # Each invocation's start and end: the run's duration is the time spent running, summed.
+        invocations.append({"run_id": self.config.tools.run_id, "started_at": self.started_at, "ended_at": None})
         atomic_write_json(
             path,
             {
@@ -600,11 +624,13 @@ class BatchRunner:
                 "run_id": self.config.tools.run_id,
                 "created_at": created or datetime.now().isoformat(),
                 "updated_at": datetime.now().isoformat(),
+                "invocations": invocations,
             },
         )
 
     def _run_locked(self, scan, store, executor, unavailable: dict[str, str]) -> int:
-        from runner.finalize import merge_run, print_summary, write_statistics
+        from runner.finalize import build_statistics, merge_run, print_summary, record_invocation_end, run_time, write_statistics
+        from runner.report import report_details
 
         config = self.config
         if self.resume:
@@ -619,7 +645,6 @@ class BatchRunner:
         if self.resume or done:
             print(f"📂 Resuming: {done:,} of {scan.rows:,} rows already committed; {remaining:,} to run")
 
-        started = time.monotonic()
         rows_this_run = 0
         self._monitor = self._make_monitor(scan, store, done, remaining)
         if remaining and not self.stopping:
@@ -631,15 +656,18 @@ class BatchRunner:
         store.close()
 
         print("\n📦 Combining all batch files into trajectories.jsonl...")
-        merged = merge_run(self.run_dir, scan.key_to_index, self.log)
-        stats = write_statistics(
-            self.run_dir, merged, run_name=config.run_name, distribution=config.distribution, total_prompts=scan.rows,
-            batch_size=config.batch_size, model=config.model, duration=time.monotonic() - started,
-            rows_this_run=rows_this_run, fingerprint=config.fingerprint(),
-        )
+        scan = self._final_dataset(scan)
+        details = report_details()
+        view = merge_run(self.run_dir, scan.key_to_index, self.log, ids=scan.ids, detail=details)
+        stats = write_statistics(self.run_dir, build_statistics(
+            view, run_name=config.run_name, distribution=config.distribution, total_prompts=scan.rows,
+            batch_size=config.batch_size, model=config.model, rows_this_run=rows_this_run,
+            run_time=run_time(record_invocation_end(self.run_dir, config.tools.run_id), view, config.tools.run_id),
+            fingerprint=config.fingerprint(),
+        ))
         print_summary(stats, self.run_dir, headline=self._headline())
-        self._write_report()
-        code = self._exit_code(merged)
+        self._write_report(view, stats)
+        code = self._exit_code(stats["outcomes"])
         self._monitor.close({EXIT_OK: "done", EXIT_INCOMPLETE: "incomplete", EXIT_FATAL_PROVIDER: "stopped_provider",
                              EXIT_BUDGET: "stopped_budget", EXIT_INTERRUPTED: "interrupted"}.get(code, "stopped"))
         return code
@@ -654,7 +682,7 @@ class BatchRunner:
             return "BATCH PROCESSING STOPPED AT THE COST BUDGET"
         return "BATCH PROCESSING COMPLETE"
 
-    def _exit_code(self, merged) -> int:
+    def _exit_code(self, outcomes: dict) -> int:
         if self.fatal_message:
             print(f"\n❌ Stopped early: {self.fatal_message}", file=sys.stderr)
             return EXIT_FATAL_PROVIDER
@@ -663,7 +691,8 @@ class BatchRunner:
             return EXIT_INTERRUPTED
         snapshot = self._monitor.snapshot("done")
         print(f"\n{self._monitor.spend_line(snapshot)}")
-        if self._monitor.budget_reached and (merged.failed or merged.not_run):
+        not_done = outcomes["failed"] + outcomes["not_run"]
+        if self._monitor.budget_reached and not_done:
             outlook = snapshot["forecast"] or {}
             high = outlook.get("total_high_usd") or outlook.get("total_usd")
             print(f"\n{self._monitor.budget.stop_message(self.config.max_cost_scope, high)}", file=sys.stderr)
@@ -672,8 +701,8 @@ class BatchRunner:
             print(f"\n❌ Stopped early: {self.stop_message}. Committed rows are safe; run again with --resume "
                   "to finish.", file=sys.stderr)
             return EXIT_INCOMPLETE
-        if merged.failed or merged.not_run:
-            print(f"\n⚠️  {merged.failed + merged.not_run} row(s) not done; run again with --resume to retry them.")
+        if not_done:
+            print(f"\n⚠️  {not_done} row(s) not done; run again with --resume to retry them.")
             return EXIT_INCOMPLETE
         return EXIT_OK
 
@@ -684,17 +713,36 @@ class BatchRunner:
 
         config = self.config
         spend = LiveSpend(scope=config.max_cost_scope)  # the scope decides what the budget counts
-        spend.known_cost_before, spend.known_attempts_before, spend.unknown_attempts_before = _spend_before(self.run_dir)
-        kept = sum(1 for key in scan.key_to_index if (state := store.rows.get(key)) is not None and state.outcome == "ok")
+        before = store.spent()  # what earlier invocations committed, kept by the run view
+        spend.known_cost_before, spend.known_attempts_before, spend.unknown_attempts_before = (
+            before.cost, before.priced, before.unpriced)
+        kept = sum(1 for key in scan.key_to_index if store.outcome(key) == "ok")
         budget = Budget(config.max_cost, config.max_cost_hard, spend) if config.max_cost is not None else None
         return RunMonitor(self.run_dir, config.run_name, total_rows=scan.rows, finished_before=done, kept_before=kept,
                           to_run=remaining, spend=spend, budget=budget, budget_limit=config.max_cost, log=self.log)
 
-    def _write_report(self) -> None:
+    def _final_dataset(self, scan):
+        """The dataset as it is now: rows appended (or edited) during the run belong to the merge."""
+        from runner.dataset import DatasetError, scan_dataset
+
+        try:
+            if os.stat(scan.path).st_mtime_ns == scan.mtime_ns and os.stat(scan.path).st_size == scan.size:
+                return scan
+            fresh = scan_dataset(scan.path, self.config.max_samples, require_image=self._rows_need_image(),
+                                 sandboxed=self.config.tools.sandbox == "bwrap")
+        except (OSError, DatasetError) as err:
+            self.log(f"⚠️  Could not read the dataset again ({err}); merging against it as it was at the start")
+            return scan
+        if fresh.rows != scan.rows:
+            self.log(f"ℹ️  The dataset changed during the run: {scan.rows:,} -> {fresh.rows:,} rows")
+        return fresh
+
+    def _write_report(self, view, stats) -> None:
         try:
             from runner.report import write_report
 
-            path = write_report(self.run_dir, max_full_conversations=self.config.report_samples)
+            path = write_report(self.run_dir, max_full_conversations=self.config.report_samples, view=view,
+                                statistics=stats)
             print(f"   - Report: {path.name} (open it in a browser)")
         except Exception as err:  # the report is a view: never let it fail a finished run
             print(f"⚠️  Could not write report.html: {type(err).__name__}: {err}")
@@ -916,24 +964,6 @@ class BatchRunner:
             os._exit(EXIT_INTERRUPTED)
 
         return {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _spend_before(run_dir: Path) -> tuple[float, int, int]:
-    """(known cost, priced attempts, unpriced attempts) of the attempts committed before this invocation.
-    TODO(issue 13): take these from the run view once it exists."""
-    from runner.store import batch_files, iter_records
-
-    cost, priced, unpriced = 0.0, 0, 0
-    for path in batch_files(run_dir):
-        for _, _, record, _ in iter_records(path):
-            usage = (record or {}).get("metadata", {}).get("usage") or {}
-            if int(usage.get("requests") or 0):
-                if usage.get("cost") is None:
-                    unpriced += 1
-                else:
-                    cost += float(usage["cost"])
-                    priced += 1
-    return cost, priced, unpriced
 
 
 def text_flags() -> set[str]:

@@ -102,7 +102,7 @@ def build_run(tmp: Path, rows: int) -> tuple[Path, Path, dict]:
             {"from": "gpt", "value": f"<think>\nRow {index}.\n</think>\n" + (filler_unit * (pad // len(filler_unit) + 1))[:pad]},
         ]
         meta = dict(template["metadata"])
-        meta.update(row_key=key, timestamp=datetime.now().isoformat(), batch_num=None)
+        meta.update(row_key=key, timestamp=datetime.now().isoformat(), batch_num=-1)
         rec["metadata"] = meta
         return rec
 

@@ -64,7 +64,8 @@ class RunConfig(BaseModel):
     prefill_messages: list[dict] = Field(default_factory=list)
     prefill_messages_file: str | None = None
     max_samples: int | None = None
-    seed: int | None = None
+    seed: int | None = None  # without --seed, BatchRunner draws one for the run (seed_drawn) and records it
+    seed_drawn: bool = False
     keep_no_reasoning: bool = False
     skip_invalid: bool = False
     verbose: bool = False

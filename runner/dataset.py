@@ -50,15 +50,18 @@ class Row:
     prompt: str
     image: str | None
     cwd: str | None
-    id: str | None
+    id: str  # the row's `id` as text ("" when it has none): one type in every output row
 
 
 @dataclass
 class DatasetScan:
     path: Path
     key_to_index: dict[str, int] = field(default_factory=dict)
+    ids: dict[str, str] = field(default_factory=dict)  # row key -> id, for the rows that have one
     errors: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
     images: set[str] = field(default_factory=set)
+    mtime_ns: int = 0  # the file as it was when the scan started (to see whether it changed since)
+    size: int = 0
 
     @property
     def rows(self) -> int:
@@ -174,12 +177,15 @@ def scan_dataset(
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"Dataset file not found: {path}")
-    scan = DatasetScan(path=path)
+    stat = path.stat()
+    scan = DatasetScan(path=path, mtime_ns=stat.st_mtime_ns, size=stat.st_size)
     for line_no, _raw, row, error, key in _walk(path, max_samples, require_image, sandboxed):
         if row is None:
             scan.errors.append((line_no, error or "invalid"))
             continue
         scan.key_to_index[key] = len(scan.key_to_index)
+        if row.id is not None:
+            scan.ids[key] = str(row.id)
         image = row.image or row.docker_image
         if image:
             scan.images.add(image)
@@ -203,6 +209,6 @@ def iter_rows(
             prompt=row.prompt,
             image=row.image or row.docker_image,
             cwd=row.cwd,
-            id=None if row.id is None else str(row.id),
+            id="" if row.id is None else str(row.id),
         )
         index += 1

@@ -1,109 +1,42 @@
-"""The end of every run: trajectories.jsonl and statistics.json, rebuilt from the batch files.
+"""The end of every run: trajectories.jsonl and statistics.json, from the run view.
 
 Both are derived from the committed lines only (never from memory), so an interrupted, resumed
-or already-finished run gets the same files. For each dataset row the best outcome wins
-(ok > discarded > failed); trajectories.jsonl holds exactly one line per row whose outcome is ok,
-re-serialised and ordered by prompt_index, and is written atomically.
+or already-finished run gets the same files. `merge_run` reads the batch files once into a
+`RunView` (runner/runview.py: the one rule that picks each row's winning line, the spend of every
+line); trajectories.jsonl holds exactly one line per dataset row whose outcome is ok, ordered by
+its current prompt_index, and is written atomically. Winning lines are copied as they are, unless
+the dataset changed what the row carries besides its identity (its position, its id): those few
+lines are re-serialised with the current values. `build_statistics` turns the same view into
+statistics.json, which report.html embeds, so the two always show the same counts.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import orjson
 
-from runner.store import OUTCOME_RANK, atomic_write_json, batch_files, iter_records, keep_mode, record_outcome
-from tools.registry import ALL_TOOL_NAMES
-
-_KNOWN_TOOLS = set(ALL_TOOL_NAMES)
-_USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "total_tokens")
+from runner.records import SCHEMA_VERSION
+from runner.runview import OK_RANK, TOKEN_KEYS, Detail, RunView, parse_time, read_run
+from runner.store import atomic_write_json, batch_files, keep_mode
 
 
-@dataclass
-class _Winner:
-    rank: int
-    file_no: int
-    offset: int
-    length: int
-    error_class: str | None
-    same_index: bool  # the line's prompt_index is the row's index in the current dataset
-
-
-@dataclass
-class MergeResult:
-    files: int = 0
-    kept: int = 0
-    completed: int = 0
-    partial: int = 0
-    discarded: int = 0
-    failed: int = 0
-    failed_by_class: dict[str, int] = field(default_factory=dict)
-    not_run: int = 0
-    filtered: int = 0  # ok rows dropped because they name tools outside the known list
-    unreadable: int = 0  # lines that are not a JSON object with a row key
-    stale: int = 0  # rows of an earlier dataset version that the current dataset no longer has
-    tool_stats: dict[str, dict[str, int]] = field(default_factory=dict)
-    reasoning: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("total_assistant_turns", "turns_with_reasoning", "turns_without_reasoning"), 0))
-    usage: dict[str, float] = field(default_factory=lambda: {**dict.fromkeys(_USAGE_KEYS, 0), "cost": 0.0})
-    retries: int = 0
-    api_calls: int = 0
-
-
-def _invalid_tool(record: dict) -> str | None:
-    stats = record.get("tool_stats")
-    if not isinstance(stats, dict) or not isinstance(record.get("conversations"), list):
-        return "<malformed row>"
-    return next((name for name in stats if name not in _KNOWN_TOOLS), None)
-
-
-def merge_run(run_dir: Path, key_to_index: dict[str, int], log=print) -> MergeResult:
-    result = MergeResult()
-    files = batch_files(run_dir)
-    result.files = len(files)
-    winners: dict[str, _Winner] = {}
-    stale: set[str] = set()
-    for file_no, path in enumerate(files):
-        for offset, line, record, key in iter_records(path):
-            if key is None:
-                result.unreadable += 1
-                log(f"   ⚠️  {path.name}: skipping an unreadable line at byte {offset}")
-                continue
-            if key not in key_to_index:
-                stale.add(key)
-                continue
-            outcome = record_outcome(record)
-            if outcome == "ok" and (bad := _invalid_tool(record)):
-                result.filtered += 1
-                log(f"   ⚠️  Filtering a row of {path.name}: invalid tool '{bad[:50]}'")
-                continue
-            rank = OUTCOME_RANK[outcome]
-            best = winners.get(key)
-            if best is None or rank > best.rank:
-                same_index = record.get("prompt_index") == key_to_index[key]
-                winners[key] = _Winner(rank, file_no, offset, len(line), record.get("error_class"), same_index)
-                if outcome == "ok":  # nothing outranks ok: this line is final, count it now
-                    _accumulate(record, result)
-    result.stale = len(stale)
-
-    ok_rows = []
-    for key, winner in winners.items():
-        if winner.rank == OUTCOME_RANK["ok"]:
-            ok_rows.append((key_to_index[key], winner))
-        elif winner.rank == OUTCOME_RANK["discarded"]:
-            result.discarded += 1
-        else:
-            result.failed += 1
-            cls = winner.error_class or "agent"
-            result.failed_by_class[cls] = result.failed_by_class.get(cls, 0) + 1
-    result.not_run = len(key_to_index) - len(winners)
-    ok_rows.sort(key=lambda item: item[0])
-    _write_trajectories(run_dir, files, ok_rows)
-    return result
+def merge_run(run_dir: Path, key_to_index: Mapping[str, int], log=print, *, ids: Mapping[str, str] | None = None,
+              detail: Detail | None = None) -> RunView:
+    """Read the run into a view of the dataset `key_to_index` (with its current `ids`) and write
+    trajectories.jsonl from it. `detail` is the report's per-row hook (see RunView)."""
+    view = read_run(batch_files(run_dir), RunView(key_to_index, ids=ids, detail=detail, log=log))
+    ids = view.ids
+    ok_rows = sorted(
+        (key_to_index[key], entry, ids.get(key, "")) for key, entry in view.rows.items() if entry.rank == OK_RANK
+    )
+    _write_trajectories(run_dir, view.files, ok_rows)
+    return view
 
 
 def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None:
@@ -112,13 +45,16 @@ def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None
     handles = {}
     try:
         with os.fdopen(fd, "wb") as out:
-            for index, winner in ok_rows:
+            for index, winner, row_id in ok_rows:
                 handle = handles.get(winner.file_no) or handles.setdefault(winner.file_no, open(files[winner.file_no], "rb"))
                 handle.seek(winner.offset)
                 line = handle.read(winner.length)
-                if not winner.same_index:  # the dataset was edited: give the row its current position
+                if winner.prompt_index != index or winner.row_id != row_id:
+                    # The dataset was edited: the row keeps its identity but gets its current
+                    # position and id (a row appended or moved, an id changed alone).
                     record = orjson.loads(line)
                     record["prompt_index"] = index
+                    record["metadata"]["id"] = row_id
                     line = orjson.dumps(record) + b"\n"
                 out.write(line)  # committed lines were serialised by the store: copy them as they are
             out.flush()
@@ -131,26 +67,6 @@ def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None
     finally:
         for handle in handles.values():
             handle.close()
-
-
-def _accumulate(record: dict, result: MergeResult) -> None:
-    result.kept += 1
-    result.completed += bool(record.get("completed"))
-    result.partial += bool(record.get("partial"))
-    result.api_calls += int(record.get("api_calls") or 0)
-    for name, stats in record["tool_stats"].items():
-        if stats.get("count") or stats.get("success") or stats.get("failure"):
-            total = result.tool_stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
-            for k in total:
-                total[k] += int(stats.get(k) or 0)
-    for k, v in (record.get("reasoning_stats") or {}).items():
-        if k in result.reasoning:
-            result.reasoning[k] += int(v)
-    metadata = record.get("metadata") or {}
-    usage = metadata.get("usage") or {}
-    for k in result.usage:
-        result.usage[k] += usage.get(k) or 0
-    result.retries += int(usage.get("retries") or 0)
 
 
 def tool_statistics(tool_stats: dict[str, dict[str, int]]) -> dict[str, dict]:
@@ -166,39 +82,92 @@ def tool_statistics(tool_stats: dict[str, dict[str, int]]) -> dict[str, dict]:
     return out
 
 
-def write_statistics(run_dir: Path, merged: MergeResult, *, run_name: str, distribution: str, total_prompts: int,
-                     batch_size: int, model: str, duration: float, rows_this_run: int, fingerprint: str) -> dict:
-    stats = {
+def record_invocation_end(run_dir: Path, run_id: str) -> list[dict]:
+    """Stamp the end of this invocation in config.json; returns every invocation recorded there."""
+    path = run_dir / "config.json"
+    try:
+        saved = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return []
+    invocations = saved.get("invocations") if isinstance(saved, dict) else None
+    if not isinstance(invocations, list):
+        return []
+    for item in invocations:
+        if isinstance(item, dict) and item.get("run_id") == run_id:
+            item["ended_at"] = datetime.now().isoformat()
+    atomic_write_json(path, saved)
+    return [item for item in invocations if isinstance(item, dict)]
+
+
+def run_time(invocations: list[dict], view: RunView, current_run_id: str | None = None) -> dict:
+    """Time the run spent running, over every invocation: each invocation's recorded start to its
+    recorded end; one that never recorded its end (it was killed) ends at its last committed line;
+    the current one ends now. Runs older than the invocations list fall back on line timestamps."""
+    now = datetime.now().timestamp()
+    spans = []
+    for item in invocations:
+        start = parse_time(item.get("started_at"))
+        if start is None:
+            continue
+        end = parse_time(item.get("ended_at"))
+        if item.get("run_id") == current_run_id:
+            end = now
+        elif end is None:
+            last = view.spans.get(item.get("run_id"))
+            end = max(start, last[1]) if last else start
+        spans.append((start, end))
+    known = {item.get("run_id") for item in invocations}
+    spans += [(s, e) for run_id, (s, e, _n) in view.spans.items() if run_id not in known]
+    if not spans:
+        return {"running_seconds": 0.0, "first_started_at": None, "last_ended_at": None, "invocations": 0}
+    return {
+        "running_seconds": round(sum(e - s for s, e in spans), 2),
+        "first_started_at": datetime.fromtimestamp(min(s for s, _ in spans)).isoformat(timespec="seconds"),
+        "last_ended_at": datetime.fromtimestamp(max(e for _, e in spans)).isoformat(timespec="seconds"),
+        "invocations": len(spans),
+    }
+
+
+def build_statistics(view: RunView, *, run_name: str, distribution: str, total_prompts: int, batch_size: int,
+                     model: str, run_time: dict, rows_this_run: int, fingerprint: str) -> dict:
+    """statistics.json: the original's keys first (tool and reasoning figures over the kept rows,
+    as it counts them), then ours. Every count comes from the view; report.html embeds this dict."""
+    counts = view.counts()
+    spend = {name: bucket.as_dict() for name, bucket in view.spend.items()}
+    total = view.total_spend().as_dict()
+    return {
         "run_name": run_name,
         "distribution": distribution,
         "total_prompts": total_prompts,
-        "total_batches": merged.files,
+        "total_batches": len(view.files),
         "batch_size": batch_size,
         "model": model,
         "completed_at": datetime.now().isoformat(),
-        "duration_seconds": round(duration, 2),
-        "tool_statistics": tool_statistics(merged.tool_stats),
-        "reasoning_statistics": merged.reasoning,
-        "discarded_no_reasoning": merged.discarded,
-        "outcomes": {
-            "ok": merged.kept,
-            "completed": merged.completed,
-            "partial": merged.partial,
-            "discarded": merged.discarded,
-            "failed": merged.failed,
-            "not_run": merged.not_run,
-            "filtered": merged.filtered,
-        },
-        "failed_by_class": dict(sorted(merged.failed_by_class.items())),
-        "tokens": {k: int(merged.usage[k]) for k in _USAGE_KEYS},
-        "cost": round(merged.usage["cost"], 6),
-        "retries": merged.retries,
-        "api_calls": merged.api_calls,
+        "duration_seconds": run_time["running_seconds"],
+        "tool_statistics": tool_statistics(view.kept.tool_stats),
+        "reasoning_statistics": view.kept.reasoning,
+        "discarded_no_reasoning": counts["outcomes"]["discarded"],
+        "schema_version": SCHEMA_VERSION,
+        "outcomes": counts["outcomes"],
+        "failed_by_class": counts["failed_by_class"],
+        "retried_rows": counts["retried_rows"],
+        # Spend of every committed attempt (kept, discarded, failed), all invocations.
+        "tokens": {k: total[k] for k in TOKEN_KEYS},
+        "cost": total["cost"],  # null: unknown (an endpoint reported no cost), never a guessed 0
+        "cache_hit_ratio": total["cache_hit_ratio"],  # cached / prompt tokens
+        "requests": total["requests"],
+        "retries": total["retries"],
+        "api_calls": view.kept.api_calls,  # model calls in the kept trajectories (the rows' api_calls)
+        "spend": {"all": total, **spend},
+        "run_time": run_time,
         "rows_this_run": rows_this_run,
-        "stale_rows": merged.stale,
-        "unreadable_lines": merged.unreadable,
+        "stale_rows": len(view.stale),
+        "unreadable_lines": view.unreadable,
         "fingerprint": fingerprint,
     }
+
+
+def write_statistics(run_dir: Path, stats: dict) -> dict:
     atomic_write_json(run_dir / "statistics.json", stats)
     return stats
 
@@ -218,10 +187,14 @@ def print_summary(stats: dict, run_dir: Path, out=print, headline: str = "BATCH 
     if outcomes["filtered"]:
         out(f"⚠️  Filtered (unknown tools): {outcomes['filtered']}")
     out(f"✅ Total batch files merged: {stats['total_batches']}")
-    out(f"⏱️  Total duration: {stats['duration_seconds']}s")
-    tokens = stats["tokens"]
-    out(f"🔢 Tokens: {tokens['prompt_tokens']:,} prompt, {tokens['completion_tokens']:,} completion; "
-        f"cost {stats['cost']}; retries {stats['retries']}")
+    run = stats["run_time"]
+    out(f"⏱️  Total duration: {stats['duration_seconds']}s"
+        + (f" over {run['invocations']} invocations" if run["invocations"] > 1 else ""))
+    out(_spend_line("🔢 Spent (every attempt)", stats["spend"]["all"]) + f"; retries {stats['retries']:,}")
+    for bucket, label in (("kept", "kept rows"), ("discarded", "discarded rows"), ("failed", "failed attempts"),
+                          ("other", "other lines")):
+        if stats["spend"][bucket]["attempts"]:
+            out(_spend_line(f"     on {label}", stats["spend"][bucket]))
     out("\n📈 Tool Usage Statistics:\n" + "-" * 70)
     tools = stats["tool_statistics"]
     if tools:
@@ -247,3 +220,14 @@ def print_summary(stats: dict, run_dir: Path, out=print, headline: str = "BATCH 
     out("   - Individual batches: batch_*.jsonl (for debugging)")
     out("   - Statistics: statistics.json")
     out("   - Checkpoint: checkpoint.json")
+
+
+def _cost_text(cost: float | None) -> str:
+    return "unknown" if cost is None else f"${cost:,.4f}"
+
+
+def _spend_line(label: str, spend: dict) -> str:
+    ratio = spend["cache_hit_ratio"]
+    cache = f" ({ratio * 100:.1f}% cached)" if ratio else ""
+    return (f"{label}: {spend['requests']:,} requests, {spend['prompt_tokens']:,} prompt tokens{cache}, "
+            f"{spend['completion_tokens']:,} completion tokens; cost {_cost_text(spend['cost'])}")

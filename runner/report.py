@@ -1,12 +1,13 @@
 """report.html: one self-contained page to look at a run, rebuilt from the run's files.
 
-`summarise_run(run_dir)` streams the batch files once (never the runner's memory, so a finished,
-interrupted or resumed run all work) and returns the numbers the page shows; `write_report`
-adds a compact summary of every row plus the full conversations of a bounded, deterministic
-sample, and writes `report.html` atomically. Rows are identified by `metadata.row_key` and each
-row's best attempt wins exactly as in `runner.finalize` (ok > discarded > failed, the first line
-of a rank kept; ok rows naming an unknown tool are filtered), so the page agrees with
-statistics.json.
+The page never counts by itself: every count (outcomes, failures by class, tool and reasoning
+figures, spend) is the statistics dict of `runner.finalize.build_statistics`, made from the same
+run view (runner/runview.py) that wrote trajectories.jsonl. What this module adds are charts
+(timeline, histograms, toolset shares, throughput) and a compact summary of every row plus the
+full conversations of a bounded, deterministic sample. At the end of a run the runner hands over
+its view (`report_details` is the per-row hook the view calls while it reads, so the batch files
+are read once); `--report` builds the same view from the files and the dataset named in
+config.json.
 
 Why the charts are inline SVG drawn by about 200 lines of our own JavaScript, not a chart
 library: the report must open from disk on an offline machine years later, so everything has to
@@ -36,8 +37,9 @@ from typing import Any, Callable
 
 import orjson
 
-from runner.store import OUTCOME_RANK, batch_files, iter_records, keep_mode, record_outcome
-from tools.registry import ALL_TOOL_NAMES
+from runner.records import LineFields
+from runner.runview import Detail, RowEntry, RunView, parse_time, read_run
+from runner.store import batch_files, keep_mode
 
 REPORT_NAME = "report.html"
 TEMPLATE = Path(__file__).with_name("report_template.html")
@@ -55,51 +57,43 @@ REPORT_CONVERSATION_CHARS = 24_000_000
 # Row outcome codes on the page; "ok" in statistics.json is OK + PARTIAL.
 OK, PARTIAL, DISCARDED, FAILED = 0, 1, 2, 3
 OUTCOME_NAMES = ("ok", "partial", "discarded", "failed")
-_KNOWN_TOOLS = frozenset(ALL_TOOL_NAMES)
-_USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "total_tokens")
 _MARKER = re.compile(rb"\{\{([A-Z_]+)\}\}")
 
 
 @dataclass(slots=True)
 class _Row:
-    """The best attempt of one row key so far, reduced to what the report needs."""
+    """The winning line of one row, reduced to what the report needs (made by `report_details`)."""
 
     key: str
-    rank: int
     code: int
     index: int
-    file_no: int
-    line_no: int
-    offset: int
-    length: int
+    entry: RowEntry  # where the line is (file, line number, offset)
     error_class: str | None
     error: str
     row_id: str
     preview: str
     ts: float | None
     duration: float | None
-    toolsets: tuple[str, ...] | None
+    toolsets: tuple[str, ...] | None  # offered to the model
+    sampled: tuple[str, ...] | None  # drawn from the distribution
     tools: dict[str, tuple[int, int, int]] | None  # tool -> (count, success, failure), called tools only
     tool_calls: int | None
     turns: int | None
     reasoning: tuple[int, int, int] | None  # total, with, without
-    usage: tuple[float, ...] | None  # _ROW_USAGE figures of a kept row
-    api_calls: int
     completed: bool
     partial: bool
 
     @property
+    def file_no(self) -> int:
+        return self.entry.file_no
+
+    @property
+    def line_no(self) -> int:
+        return self.entry.line_no
+
+    @property
     def sample_class(self) -> str:
         return f"failed:{self.error_class}" if self.code == FAILED else OUTCOME_NAMES[self.code]
-
-
-def _parse_time(value: Any) -> float | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        return datetime.fromisoformat(value).timestamp()
-    except ValueError:
-        return None
 
 
 def _one_line(text: Any, limit: int) -> str:
@@ -119,14 +113,6 @@ def _prompt_of(record: dict) -> str:
     return ""
 
 
-def _invalid_tool(record: dict) -> bool:
-    """The rule of runner.finalize: an ok row naming a tool we do not know is filtered."""
-    stats = record.get("tool_stats")
-    if not isinstance(stats, dict) or not isinstance(record.get("conversations"), list):
-        return True
-    return not _KNOWN_TOOLS.issuperset(stats)
-
-
 def _int(value: Any) -> int:
     try:
         return int(value or 0)
@@ -134,35 +120,38 @@ def _int(value: Any) -> int:
         return 0
 
 
-def _num(value: Any) -> float:
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
-
-
 _UNUSED = {"count": 0, "success": 0, "failure": 0}
-_ROW_USAGE = (*_USAGE_KEYS, "cost", "retries")  # the order of _Row.usage
 
 
 def _tool_counts(raw: Any) -> dict[str, tuple[int, int, int]]:
+    """tool -> (count, success, failure) of the tools a row called (most of its entries are zero)."""
     if not isinstance(raw, dict):
         return {}
-    used = [(name, s) for name, s in raw.items() if s != _UNUSED and isinstance(s, dict)]
-    counts = {str(name): (_int(s.get("count")), _int(s.get("success")), _int(s.get("failure"))) for name, s in used}
-    return {name: c for name, c in counts.items() if any(c)}
+    counts = {}
+    for name, s in raw.items():
+        if s != _UNUSED and isinstance(s, dict):
+            c = (_int(s.get("count")), _int(s.get("success")), _int(s.get("failure")))
+            if c != (0, 0, 0):
+                counts[str(name)] = c
+    return counts
 
 
-def _make_row(record: dict, key: str, rank: int, file_no: int, line_no: int, offset: int, length: int,
-              ts: float | None) -> _Row:
-    """The report's view of one attempt (only called when it beats the row's best so far)."""
+def _strings(value: Any) -> tuple[str, ...] | None:
+    return tuple(value) if isinstance(value, list) else None
+
+
+def _make_row(fields: LineFields, entry: RowEntry) -> _Row:
+    """The report's view of a row's winning line (the run view calls this while it reads)."""
+    record = fields.raw
     metadata = record["metadata"]
-    outcome = record_outcome(record)
-    tools = turns = reasoning = toolsets = usage = None
+    outcome = fields.outcome
+    tools = turns = reasoning = toolsets = None
     if outcome == "failed":
         code = FAILED
     else:
         code = DISCARDED if outcome == "discarded" else PARTIAL if record.get("partial") else OK
         tools = _tool_counts(record.get("tool_stats"))
-        used = record.get("toolsets_used")
-        toolsets = tuple(map(str, used)) if isinstance(used, list) else ()
+        toolsets = _strings(record.get("toolsets_used")) or ()
         rs = record.get("reasoning_stats")
         rs = rs if isinstance(rs, dict) else {}
         reasoning = (_int(rs.get("total_assistant_turns")), _int(rs.get("turns_with_reasoning")),
@@ -170,26 +159,26 @@ def _make_row(record: dict, key: str, rank: int, file_no: int, line_no: int, off
         turns = reasoning[0]
         if not turns and isinstance(record.get("conversations"), list):
             turns = sum(1 for t in record["conversations"] if isinstance(t, dict) and t.get("from") == "gpt")
-        raw_usage = metadata.get("usage")
-        if code != DISCARDED and isinstance(raw_usage, dict):
-            usage = tuple(_num(raw_usage.get(k)) for k in _ROW_USAGE)
-    duration = metadata.get("duration_seconds")
-    row_id = metadata.get("id")
     return _Row(
-        key=key, rank=rank, code=code, index=_int(record.get("prompt_index")), file_no=file_no, line_no=line_no,
-        offset=offset, length=length,
-        error_class=(str(record.get("error_class") or "agent") if code == FAILED else None),
+        key=fields.key, code=code, index=fields.prompt_index, entry=entry,
+        error_class=fields.error_class if code == FAILED else None,
         error=_one_line(record.get("error"), ERROR_CHARS) if code == FAILED else "",
-        row_id=_one_line(str(row_id), ID_CHARS) if row_id is not None else "",
+        row_id=_one_line(fields.row_id, ID_CHARS),
         preview=_one_line(_prompt_of(record), PREVIEW_CHARS),
-        ts=ts,
-        duration=float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool) else None,
-        toolsets=toolsets, tools=tools, tool_calls=None if tools is None else sum(c[0] for c in tools.values()),
-        turns=turns, reasoning=reasoning, usage=usage,
-        api_calls=_int(record.get("api_calls")),
+        ts=parse_time(fields.timestamp),
+        duration=fields.duration,
+        toolsets=toolsets,
+        sampled=(_strings(metadata.get("toolsets_sampled")) or toolsets) if toolsets is not None else None,
+        tools=tools, tool_calls=None if tools is None else sum(c[0] for c in tools.values()),
+        turns=turns, reasoning=reasoning,
         completed=bool(record.get("completed")),
         partial=bool(record.get("partial")),
     )
+
+
+def report_details() -> Detail:
+    """The hook a RunView calls for each line that becomes a row's winner: the report's row summary."""
+    return _make_row
 
 
 def _read_json(path: Path) -> dict | None:
@@ -200,67 +189,48 @@ def _read_json(path: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-class _Scan:
-    """One streaming pass over all batch files of a run, in file order: the winning attempt per
-    row key, and run-wide tallies.
+def _dataset_of(config: dict) -> tuple[dict[str, int] | None, dict[str, str]]:
+    """The rows of the dataset config.json names, as it is now (None, {} when it cannot be read)."""
+    from runner.dataset import DatasetError, scan_dataset
 
-    One process on purpose: parsing the JSON is the cost (about 1.4 GB per 100,000 real rows), and
-    worker processes would have to send every row's summary back through pickle, which cost as
-    much as it saved when we measured it.
-    """
+    name = config.get("dataset_file")
+    if not isinstance(name, str) or not Path(name).is_file():
+        return None, {}
+    try:
+        scan = scan_dataset(name, config.get("max_samples"))
+    except (OSError, DatasetError):
+        return None, {}
+    return scan.key_to_index, scan.ids
 
-    def __init__(self, run_dir: Path):
-        self.run_dir = Path(run_dir)
-        self.files = batch_files(self.run_dir) if self.run_dir.is_dir() else []
-        self.rows: dict[str, _Row] = {}
-        self.attempts: Counter[str] = Counter()
-        self.lines = 0
-        self.unreadable = 0
-        self.filtered = 0
-        self.spent = {**dict.fromkeys(_USAGE_KEYS, 0), "cost": 0.0, "requests": 0}  # every attempt
-        self.invocations: dict[str, list] = {}  # run_id -> [start, end, lines]
-        for file_no, path in enumerate(self.files):
-            self.read_file(file_no, path)
 
-    def read_file(self, file_no: int, path: Path) -> None:
-        for line_no, (offset, line, record, key) in enumerate(iter_records(path), start=1):
-            self.lines += 1
-            if key is None:
-                self.unreadable += 1
-                continue
-            self.attempts[key] += 1
-            ts = self._note_attempt(record["metadata"])
-            outcome = record_outcome(record)
-            if outcome == "ok" and _invalid_tool(record):
-                self.filtered += 1
-                continue
-            rank = OUTCOME_RANK[outcome]
-            best = self.rows.get(key)
-            if best is None or rank > best.rank:
-                self.rows[key] = _make_row(record, key, rank, file_no, line_no, offset, len(line), ts)
+def read_view(run_dir: Path, dataset: dict[str, int] | None = None, ids: dict[str, str] | None = None,
+              log=lambda _: None) -> tuple[RunView, dict]:
+    """`--report` on its own: the run view and its statistics, as the runner's merge makes them,
+    against `dataset` or else the dataset config.json names (without either, every row in the
+    files counts and "not run" is unknown)."""
+    from runner.finalize import build_statistics, run_time
 
-    def _note_attempt(self, metadata: dict) -> float | None:
-        """Tally what every attempt spent and when each invocation ran; returns the line's time."""
-        usage = metadata.get("usage")
-        if isinstance(usage, dict):
-            spent = self.spent
-            for k, v in usage.items():
-                if k in spent and isinstance(v, (int, float)):
-                    spent[k] += v
-        ts = _parse_time(metadata.get("timestamp"))
-        if ts is None:
-            return None
-        duration = metadata.get("duration_seconds")
-        start = ts - (duration if isinstance(duration, (int, float)) and not isinstance(duration, bool) else 0)
-        self._note_span(str(metadata.get("run_id") or "?"), start, ts, 1)
-        return ts
-
-    def _note_span(self, run_id: str, start: float, end: float, lines: int) -> None:
-        span = self.invocations.get(run_id)
-        if span is None:
-            self.invocations[run_id] = [start, end, lines]
-        else:
-            span[0], span[1], span[2] = min(span[0], start), max(span[1], end), span[2] + lines
+    config_file = _read_json(run_dir / "config.json") or {}
+    config = config_file.get("config") if isinstance(config_file.get("config"), dict) else {}
+    statistics = _read_json(run_dir / "statistics.json") or {}
+    if dataset is None:
+        dataset, ids = _dataset_of(config)
+    files = batch_files(run_dir) if run_dir.is_dir() else []
+    view = read_run(files, RunView(dataset, ids=ids, detail=_make_row, log=log))
+    invocations = config_file.get("invocations") if isinstance(config_file.get("invocations"), list) else []
+    stats = build_statistics(
+        view, run_name=str(config.get("run_name") or statistics.get("run_name") or run_dir.name),
+        distribution=str(config.get("distribution") or statistics.get("distribution") or ""),
+        total_prompts=len(dataset) if dataset is not None else len(view.rows),
+        batch_size=_int(config.get("batch_size") or statistics.get("batch_size")),
+        model=str(config.get("model") or statistics.get("model") or ""),
+        run_time=run_time([i for i in invocations if isinstance(i, dict)], view),
+        rows_this_run=_int(statistics.get("rows_this_run")), fingerprint=str(config_file.get("fingerprint") or ""),
+    )
+    if dataset is None:
+        stats["total_prompts"] = None
+        stats["outcomes"]["not_run"] = None
+    return view, stats
 
 
 def _rate(success: int, failure: int) -> float:
@@ -317,137 +287,128 @@ def _target_distribution(name: str | None) -> dict[str, float] | None:
     return dict(entry["toolsets"]) if entry else None
 
 
-def _summarise(scan: _Scan) -> dict:
-    run_dir = scan.run_dir
+def _report_rows(view: RunView) -> list[_Row]:
+    """The winning line of every dataset row, in dataset order, with its current position."""
+    dataset = view.dataset
+    rows = []
+    for key, entry in view.rows.items():
+        row = entry.detail
+        if row is None:
+            continue  # no winner (every line filtered), or read without the report's hook
+        if dataset is not None:
+            row.index = dataset[key]
+        rows.append(row)
+    rows.sort(key=lambda r: (r.index, r.key))
+    return rows
+
+
+def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> dict:
+    """What the page shows: the counts of `stats` (statistics.json) and the charts over `rows`."""
     config_file = _read_json(run_dir / "config.json") or {}
     config = config_file.get("config") if isinstance(config_file.get("config"), dict) else {}
     stats_path = run_dir / "statistics.json"
-    statistics = _read_json(stats_path)
-    rows = sorted(scan.rows.values(), key=lambda r: (r.index, r.key))
+    saved = _read_json(stats_path)
 
-    ok_rows = [r for r in rows if r.code in (OK, PARTIAL)]
-    by_code = Counter(r.code for r in rows)
-    failed_by_class = Counter(r.error_class for r in rows if r.code == FAILED)
-
-    # Tool, reasoning and token figures over the kept (ok) rows, as statistics.json counts them.
-    tools: dict[str, list[int]] = {}
+    # Rows that called each tool (the chart's tooltip); the counts themselves are statistics.json's.
     rows_using: Counter[str] = Counter()
-    reasoning = [0, 0, 0]
-    tokens = dict.fromkeys(_USAGE_KEYS, 0)
-    cost = 0.0
-    retries = api_calls = 0
-    for r in ok_rows:
-        for name, (count, success, failure) in r.tools.items():
-            total = tools.setdefault(name, [0, 0, 0])
-            total[0] += count
-            total[1] += success
-            total[2] += failure
-            if count:
-                rows_using[name] += 1
-        for i in range(3):
-            reasoning[i] += r.reasoning[i]
-        if r.usage:
-            for k, v in zip(_USAGE_KEYS, r.usage):
-                tokens[k] += v
-            cost += r.usage[5]
-            retries += int(r.usage[6])
-        api_calls += r.api_calls
+    for r in rows:
+        if r.code in (OK, PARTIAL):
+            for name, (count, _, _) in r.tools.items():
+                if count:
+                    rows_using[name] += 1
     tool_statistics = {
-        name: {"count": c, "success": s, "failure": f, "success_rate": _rate(s, f), "rows": rows_using[name]}
-        for name, (c, s, f) in sorted(tools.items(), key=lambda kv: (-kv[1][0], kv[0]))
+        name: {"count": t["count"], "success": t["success"], "failure": t["failure"],
+               "success_rate": t["success_rate"], "rows": rows_using[name]}
+        for name, t in sorted(stats["tool_statistics"].items(), key=lambda kv: (-kv[1]["count"], kv[0]))
     }
 
-    # Realised toolsets: share of the rows that record their toolsets (ok and discarded rows).
+    # Toolsets: share of the rows that record them (ok and discarded), offered and sampled.
     with_toolsets = [r for r in rows if r.toolsets is not None]
-    realised = Counter(t for r in with_toolsets for t in set(r.toolsets))
-    distribution = config.get("distribution") or (statistics or {}).get("distribution")
+    offered = Counter(t for r in with_toolsets for t in set(r.toolsets))
+    sampled = Counter(t for r in with_toolsets for t in set(r.sampled or ()))
+    distribution = stats.get("distribution") or config.get("distribution")
     target = _target_distribution(distribution)
-    names = list(target or {}) + sorted(set(realised) - set(target or {}))
+    names = list(target or {}) + sorted((set(offered) | set(sampled)) - set(target or {}))
+    share = (lambda n: round(n / len(with_toolsets) * 100, 2) if with_toolsets else 0.0)
     toolsets = {
         name: {
-            "rows": realised[name],
-            "share": round(realised[name] / len(with_toolsets) * 100, 2) if with_toolsets else 0.0,
+            "rows": offered[name],
+            "share": share(offered[name]),
+            "sampled_rows": sampled[name],
+            "sampled_share": share(sampled[name]),
             "target": (target or {}).get(name, 0 if target is not None else None),
         }
         for name in names
     }
 
-    stale = int((statistics or {}).get("stale_rows") or 0)
-    total_prompts = (statistics or {}).get("total_prompts")
-    not_run = max(0, int(total_prompts) - (len(rows) - stale)) if isinstance(total_prompts, int) else None
-    newest_batch = max((p.stat().st_mtime for p in scan.files), default=0.0)
-    stats_outdated = statistics is None or stats_path.stat().st_mtime + 1e-6 < newest_batch
-
+    newest_batch = max((p.stat().st_mtime for p in view.files), default=0.0)
+    stats_outdated = saved is None or stats_path.stat().st_mtime + 1e-6 < newest_batch
     invocations = sorted(
         ({"run_id": rid, "start": datetime.fromtimestamp(s).isoformat(timespec="seconds"),
-          "seconds": round(e - s, 3), "lines": n} for rid, (s, e, n) in scan.invocations.items()),
+          "seconds": round(e - s, 3), "lines": n} for rid, (s, e, n) in view.spans.items()),
         key=lambda item: item["start"],
     )
-    active = sum(item["seconds"] for item in invocations)
+    run_time = stats["run_time"]
+    active = run_time["running_seconds"]
     durations = [r.duration for r in rows if r.duration is not None]
     stamps = [r.ts for r in rows if r.ts is not None]
     return {
-        "run_name": (config.get("run_name") or (statistics or {}).get("run_name") or run_dir.name),
+        "run_name": stats["run_name"],
         "run_dir": str(run_dir),
         "generated_at": datetime.now().isoformat(timespec="seconds"),
-        "model": config.get("model") or (statistics or {}).get("model"),
+        "model": stats.get("model") or config.get("model"),
         "distribution": distribution,
-        "fingerprint": config_file.get("fingerprint") or (statistics or {}).get("fingerprint"),
+        "fingerprint": config_file.get("fingerprint") or stats.get("fingerprint"),
         "fingerprint_fields": config_file.get("fingerprint_fields") or {},
         "config": config,
         "created_at": config_file.get("created_at"),
         "updated_at": config_file.get("updated_at"),
         "rows": len(rows),
-        "total_prompts": total_prompts,
-        "outcomes": {
-            "ok": len(ok_rows),
-            "completed": sum(1 for r in ok_rows if r.completed),
-            "partial": by_code[PARTIAL],
-            "turn_limit": sum(1 for r in ok_rows if not r.completed and not r.partial),
-            "discarded": by_code[DISCARDED],
-            "failed": by_code[FAILED],
-            "not_run": not_run,
-            "filtered": scan.filtered,
-        },
-        "failed_by_class": dict(sorted(failed_by_class.items())),
-        "retried_rows": sum(1 for r in rows if scan.attempts[r.key] > 1),
+        "total_prompts": stats["total_prompts"],
+        # Counts: statistics.json's, never the page's own.
+        "outcomes": stats["outcomes"],
+        "failed_by_class": stats["failed_by_class"],
+        "retried_rows": stats["retried_rows"],
         "tool_statistics": tool_statistics,
         "toolsets": toolsets,
         "toolset_rows": len(with_toolsets),
-        "reasoning_statistics": dict(zip(("total_assistant_turns", "turns_with_reasoning", "turns_without_reasoning"),
-                                         reasoning)),
-        "discarded_no_reasoning": by_code[DISCARDED],
-        "tokens": {k: int(v) for k, v in tokens.items()},
-        "cost": round(cost, 6),
-        "spent_all_attempts": {**{k: int(scan.spent[k]) for k in (*_USAGE_KEYS, "requests")},
-                               "cost": round(scan.spent["cost"], 6)},
-        "retries": retries,
-        "api_calls": api_calls,
+        "reasoning_statistics": stats["reasoning_statistics"],
+        "discarded_no_reasoning": stats["discarded_no_reasoning"],
+        "tokens": stats["tokens"],
+        "cost": stats["cost"],
+        "cache_hit_ratio": stats["cache_hit_ratio"],
+        "spend": stats["spend"],
+        "retries": stats["retries"],
+        "requests": stats["requests"],
+        "api_calls": stats["api_calls"],
         "histograms": {
             "turns": _histogram(r.turns for r in rows if r.turns is not None),
             "tool_calls": _histogram(r.tool_calls for r in rows if r.tool_calls is not None),
         },
-        "timeline": _timeline(rows, scan.invocations),
+        "timeline": _timeline(rows, view.spans),
         "duration": {
             "first_row_at": datetime.fromtimestamp(min(stamps)).isoformat(timespec="seconds") if stamps else None,
             "last_row_at": datetime.fromtimestamp(max(stamps)).isoformat(timespec="seconds") if stamps else None,
             "span_seconds": round(max(stamps) - min(stamps), 3) if stamps else None,
-            "active_seconds": round(active, 3),
+            "active_seconds": active,
+            "first_started_at": run_time["first_started_at"],
+            "last_ended_at": run_time["last_ended_at"],
+            "invocation_count": run_time["invocations"],
             "invocations": invocations,
             "rows_per_minute": round(len(rows) / active * 60, 2) if active > 0 else None,
             "row_seconds_p50": _percentile(durations, 0.5),
             "row_seconds_p90": _percentile(durations, 0.9),
             "row_seconds_max": max(durations) if durations else None,
-            "last_invocation_seconds": (statistics or {}).get("duration_seconds"),
         },
         "files": {
-            "batch_files": len(scan.files),
-            "lines": scan.lines,
-            "unreadable_lines": scan.unreadable,
+            "batch_files": len(view.files),
+            "lines": view.lines,
+            "unreadable_lines": view.unreadable,
             "torn_files": sorted(p.name for p in run_dir.glob("batch_*.jsonl.torn")) if run_dir.is_dir() else [],
-            "stale_rows": stale,
+            "stale_rows": stats["stale_rows"],
         },
-        "statistics": statistics,
+        "statistics": stats,
+        "saved_statistics": saved,
         "statistics_outdated": stats_outdated,
     }
 
@@ -470,10 +431,15 @@ def _no_gc_pauses():
             gc.enable()
 
 
-def summarise_run(run_dir: Path) -> dict:
-    """Every figure the report shows, from the run directory's files alone (JSON-serialisable)."""
+def summarise_run(run_dir: Path, view: RunView | None = None, statistics: dict | None = None, *,
+                  dataset: dict[str, int] | None = None, ids: dict[str, str] | None = None) -> dict:
+    """Every figure the report shows (JSON-serialisable): from the runner's view and statistics,
+    or, without them, from the run directory's files (see `read_view`)."""
+    run_dir = Path(run_dir)
     with _no_gc_pauses():
-        return _summarise(_Scan(Path(run_dir)))
+        if view is None or statistics is None:
+            view, statistics = read_view(run_dir, dataset, ids)
+        return _summarise(run_dir, view, statistics, _report_rows(view))
 
 
 # --- the sample of full conversations --------------------------------------------------------
@@ -575,21 +541,21 @@ def _full_entry(record: dict, row: _Row, files: list[Path], clipper: _Clipper, s
     return entry
 
 
-def _load_full(scan: _Scan, rows: list[_Row], chosen: list[int]) -> tuple[dict[str, dict], list[str]]:
+def _load_full(files: list[Path], rows: list[_Row], chosen: list[int]) -> tuple[dict[str, dict], list[str]]:
     clipper = _Clipper()
     systems: dict[str, int] = {}
     full: dict[str, dict] = {}
     handles: dict[int, Any] = {}
     try:
-        for pos in sorted(chosen, key=lambda p: (rows[p].file_no, rows[p].offset)):
+        for pos in sorted(chosen, key=lambda p: (rows[p].file_no, rows[p].entry.offset)):
             row = rows[pos]
-            handle = handles.get(row.file_no) or handles.setdefault(row.file_no, open(scan.files[row.file_no], "rb"))
-            handle.seek(row.offset)
+            handle = handles.get(row.file_no) or handles.setdefault(row.file_no, open(files[row.file_no], "rb"))
+            handle.seek(row.entry.offset)
             try:
-                record = orjson.loads(handle.read(row.length))
+                record = orjson.loads(handle.read(row.entry.length))
             except orjson.JSONDecodeError:
                 continue
-            full[str(pos)] = _full_entry(record, row, scan.files, clipper, systems)
+            full[str(pos)] = _full_entry(record, row, files, clipper, systems)
     finally:
         for handle in handles.values():
             handle.close()
@@ -599,7 +565,7 @@ def _load_full(scan: _Scan, rows: list[_Row], chosen: list[int]) -> tuple[dict[s
 # --- the page --------------------------------------------------------------------------------
 
 
-def _compact_rows(rows: list[_Row], summary: dict, files: list[Path], attempts: Counter) -> dict:
+def _compact_rows(rows: list[_Row], summary: dict, files: list[Path]) -> dict:
     """One small array per row; names of toolsets, tools and classes are table indexes."""
     toolset_names = list(summary["toolsets"])
     toolset_bit = {name: 1 << i for i, name in enumerate(toolset_names[:30])}  # a 32-bit mask in JavaScript
@@ -618,7 +584,7 @@ def _compact_rows(rows: list[_Row], summary: dict, files: list[Path], attempts: 
             [tool_id[t] for t, (count, _, _) in (r.tools or {}).items() if count],
             r.turns, r.tool_calls, r.preview,
             None if r.ts is None or start is None else round(r.ts - start, 1),
-            r.file_no, r.line_no, attempts[r.key], r.error, r.row_id,
+            r.file_no, r.line_no, r.entry.attempts, r.error, r.row_id,
         ])
     return {
         "fields": ["index", "outcome", "error_class", "toolsets", "tools", "turns", "tool_calls", "preview",
@@ -637,16 +603,20 @@ def _json_for_script(value: Any) -> bytes:
     return orjson.dumps(value).replace(b"<", b"\\u003c")
 
 
-def write_report(run_dir: Path, *, max_full_conversations: int = 500, log=print) -> Path:
-    """Write <run_dir>/report.html (temp file + rename) from the run's files and return its path."""
+def write_report(run_dir: Path, *, max_full_conversations: int = 500, log=print, view: RunView | None = None,
+                 statistics: dict | None = None, dataset: dict[str, int] | None = None,
+                 ids: dict[str, str] | None = None) -> Path:
+    """Write <run_dir>/report.html (temp file + rename) and return its path: from the runner's
+    view (read with `report_details`) and statistics, or else from the run's files."""
     run_dir = Path(run_dir)
     with _no_gc_pauses():
-        scan = _Scan(run_dir)
-        summary = _summarise(scan)
-        rows = sorted(scan.rows.values(), key=lambda r: (r.index, r.key))
-        compact = _compact_rows(rows, summary, scan.files, scan.attempts)
+        if view is None or statistics is None:
+            view, statistics = read_view(run_dir, dataset, ids)
+        rows = _report_rows(view)
+        summary = _summarise(run_dir, view, statistics, rows)
+        compact = _compact_rows(rows, summary, view.files)
         chosen = choose_sample(rows, max_full_conversations)
-        full, systems = _load_full(scan, rows, chosen)
+        full, systems = _load_full(view.files, rows, chosen)
     summary["sample"] = {"embedded": len(full), "limit": max_full_conversations, "rows": len(rows)}
     summary.pop("run_dir", None)  # a local path says nothing to whoever receives the file
     blocks = {

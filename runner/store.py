@@ -17,17 +17,18 @@ import re
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
 import orjson
 
+from runner.records import OUTCOME_RANK, LineFields, outcome_of, record_line, validate_record
+from runner.runview import NO_WINNER, SPEND_BUCKETS, RowEntry, RunView, Spend
 from runner.secrets import redact_bytes
 
 BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
-OUTCOME_RANK = {"failed": 0, "discarded": 1, "ok": 2}  # a later attempt can only improve a row
+_OUTCOME_NAME = {rank: name for name, rank in OUTCOME_RANK.items()}
 
 
 def private_opener(path: str, flags: int) -> int:
@@ -85,33 +86,12 @@ def storage_errors(path: Path | str):
 
 
 def record_outcome(record: dict) -> str:
-    if record.get("failed"):
-        return "failed"
-    if record.get("discarded"):
-        return "discarded"
-    return "ok"
+    return outcome_of(record)
 
 
 def record_key(record: dict) -> str | None:
     metadata = record.get("metadata")
     return metadata.get("row_key") if isinstance(metadata, dict) else None
-
-
-@dataclass
-class RowState:
-    outcome: str
-    prompt_index: int
-    failures: int  # failed attempts so far (the next attempt number is failures + 1)
-
-    def merge(self, outcome: str, prompt_index: int) -> None:
-        if outcome == "failed":
-            self.failures += 1
-        if OUTCOME_RANK[outcome] >= OUTCOME_RANK[self.outcome]:
-            self.outcome, self.prompt_index = outcome, prompt_index
-
-    @property
-    def committed(self) -> bool:
-        return self.outcome != "failed"
 
 
 def batch_files(run_dir: Path) -> list[Path]:
@@ -146,18 +126,6 @@ def iter_lines(path: Path, start: int = 0) -> Iterator[tuple[int, bytes]]:
             offset += len(line)
 
 
-def iter_records(path: Path, start: int = 0) -> Iterator[tuple[int, bytes, dict | None, str | None]]:
-    """(offset, line, record, row key) for each committed line; record and key are None when the
-    line is not a JSON object carrying a row key (it is then skipped by every reader)."""
-    for offset, line in iter_lines(path, start):
-        try:
-            record = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            record = None
-        key = record_key(record) if isinstance(record, dict) else None
-        yield offset, line, (record if key is not None else None), key
-
-
 class RunStore:
     CHECKPOINT_EVERY = 2.0  # seconds between coalesced checkpoint writes
 
@@ -166,9 +134,8 @@ class RunStore:
         self.run_name = run_name
         self.batch_size = batch_size
         self.checkpoint_path = run_dir / "checkpoint.json"
-        self.rows: dict[str, RowState] = {}
+        self.view = RunView(tally=False)  # what the batch files say (runner/runview.py)
         self.file_sizes: dict[str, int] = {}
-        self.batch_stats: dict[str, dict[str, int]] = {}
         self._handle = None
         self._opening: Path | None = None  # the batch file being opened (named if that fails)
         self._synced_size = 0  # bytes of the open batch file known to be fsynced
@@ -205,30 +172,32 @@ class RunStore:
         return fixed
 
     def load(self, log=print) -> None:
-        """Rebuild row states from the batch files, reading only what checkpoint.json has not seen."""
+        """Rebuild the run view from the batch files, reading only what checkpoint.json has not seen."""
         checkpoint = self._read_checkpoint(log)
         files = batch_files(self.run_dir)
         cached_sizes = checkpoint.get("files") or {}
-        trusted = bool(checkpoint.get("rows") is not None) and all(
+        trusted = isinstance(checkpoint.get("rows"), dict) and isinstance(checkpoint.get("spend"), dict) and all(
             (self.run_dir / name).exists() and (self.run_dir / name).stat().st_size >= size
             for name, size in cached_sizes.items()
         )
+        self.view = RunView(tally=False, log=log)
+        self.view.files = files
         if trusted:
-            for key, (outcome, index, failures) in checkpoint["rows"].items():
-                self.rows[key] = RowState(outcome, index, failures)
-            self.batch_stats = checkpoint.get("batch_stats") or {}
-        for path in files:
+            self._restore(checkpoint)
+        for file_no, path in enumerate(files):
             start = cached_sizes.get(path.name, 0) if trusted else 0
-            end = start
-            for offset, line, record, key in iter_records(path, start):
-                end = offset + len(line)
-                if key is None:
-                    continue
-                outcome = record_outcome(record)
-                self._note(key, outcome, int(record.get("prompt_index", -1)))
-                self._count_batch(str(record["metadata"].get("batch_num", path.stem.split("_")[1])), outcome)
-            self.file_sizes[path.name] = max(end, start)
+            self.file_sizes[path.name] = max(self.view.read_file(file_no, path, start), start)
         self._batch_num = int(BATCH_FILE.match(files[-1].name).group(1)) + 1 if files else 0
+
+    def _restore(self, checkpoint: dict) -> None:
+        """The view as checkpoint.json caches it: row states, batch statistics and the spend."""
+        rows = self.view.rows
+        for key, (outcome, index, failures) in checkpoint["rows"].items():
+            rank = OUTCOME_RANK.get(outcome, NO_WINNER)
+            rows[key] = RowEntry(rank, index, failures=failures, attempts=failures + (rank != OUTCOME_RANK["failed"]))
+        self.view.batch_stats = checkpoint.get("batch_stats") or {}
+        for bucket in SPEND_BUCKETS:
+            self.view.spend[bucket] = Spend.from_dict(checkpoint["spend"].get(bucket) or {})
 
     def _read_checkpoint(self, log) -> dict:
         if not self.checkpoint_path.exists():
@@ -242,25 +211,26 @@ class RunStore:
             return {}
         return data
 
-    def _note(self, key: str, outcome: str, prompt_index: int) -> None:
-        state = self.rows.get(key)
-        if state is None:
-            self.rows[key] = RowState(outcome, prompt_index, 1 if outcome == "failed" else 0)
-        else:
-            state.merge(outcome, prompt_index)
-
-    def _count_batch(self, batch: str, outcome: str) -> None:
-        stats = self.batch_stats.setdefault(batch, {"processed": 0, "ok": 0, "discarded_no_reasoning": 0, "failed": 0})
-        stats["processed"] += 1
-        stats[{"ok": "ok", "discarded": "discarded_no_reasoning", "failed": "failed"}[outcome]] += 1
+    @property
+    def batch_stats(self) -> dict[str, dict[str, int]]:
+        return self.view.batch_stats
 
     def is_committed(self, key: str) -> bool:
-        state = self.rows.get(key)
-        return state is not None and state.committed
+        return self.view.is_committed(key)
+
+    def outcome(self, key: str) -> str | None:
+        """The outcome of the row's winning line (None: nothing committed, or only filtered lines)."""
+        entry = self.view.entry(key)
+        return _OUTCOME_NAME.get(entry.rank) if entry else None
 
     def failures(self, key: str) -> int:
-        state = self.rows.get(key)
-        return state.failures if state else 0
+        entry = self.view.entry(key)
+        return entry.failures if entry else 0
+
+    def spent(self) -> Spend:
+        """What every committed line of the run spent so far (all invocations), kept or not: kept
+        up to date as rows commit, so it costs nothing to ask."""
+        return self.view.total_spend()
 
     # --- writing ----------------------------------------------------------------------------
 
@@ -273,21 +243,19 @@ class RunStore:
         fsynced before stay committed, the failed group is not."""
         if not records:
             return
+        # Every record is checked against its model before any is written (RecordError otherwise).
+        models = [validate_record(record) for record in records]
         try:
-            for record in records:
-                key = record_key(record)
-                if key is None:
-                    raise ValueError("a record without metadata.row_key cannot be committed")
+            for record, model in zip(records, models):
+                key = model.metadata.row_key
                 if self.is_committed(key):
                     continue  # a result that arrived twice (e.g. a retried Ray task): keep the first
                 if self._handle is None or self._lines_in_batch >= self.batch_size:
                     self._rotate()
-                record["metadata"]["batch_num"] = self._batch_num
-                self._write_all(redact_bytes(orjson.dumps(record)) + b"\n")
+                model.metadata.batch_num = record["metadata"]["batch_num"] = self._batch_num
+                self._write_all(redact_bytes(record_line(model)[:-1]) + b"\n")
                 self._lines_in_batch += 1
-                outcome = record_outcome(record)
-                self._note(key, outcome, record["prompt_index"])
-                self._count_batch(str(self._batch_num), outcome)
+                self.view.add(LineFields(record, key), batch=str(self._batch_num))
             if self._handle is not None:
                 os.fsync(self._handle.fileno())
                 self._synced_size = self._handle.tell()
@@ -334,7 +302,8 @@ class RunStore:
         now = time.monotonic()
         if not force and (not self._dirty or now - self._last_checkpoint < self.CHECKPOINT_EVERY):
             return
-        completed = sorted({s.prompt_index for s in self.rows.values() if s.committed and s.prompt_index >= 0})
+        rows = self.view.rows
+        completed = sorted({e.prompt_index for e in rows.values() if e.committed and e.prompt_index >= 0})
         with storage_errors(self.checkpoint_path):
             atomic_write_json(
                 self.checkpoint_path,
@@ -344,7 +313,8 @@ class RunStore:
                     "batch_stats": self.batch_stats,
                     "last_updated": datetime.now().isoformat(),
                     "files": self.file_sizes,
-                    "rows": {k: [s.outcome, s.prompt_index, s.failures] for k, s in self.rows.items()},
+                    "rows": {k: [_OUTCOME_NAME.get(e.rank, "none"), e.prompt_index, e.failures] for k, e in rows.items()},
+                    "spend": {bucket: spend.cache_form() for bucket, spend in self.view.spend.items()},
                 },
             )
         self._last_checkpoint = now

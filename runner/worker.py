@@ -28,6 +28,7 @@ from agent.trajectory import extract_reasoning_stats, extract_tool_stats, normal
 from agent.types import ProviderError
 from runner.config import RunConfig
 from tools.environments.base import SandboxError
+from runner.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, Usage, as_dict
 from tools.registry import ToolContext, tools_for_toolsets
 from toolset_distributions import rng_for_row, sample_toolsets_from_distribution
 
@@ -60,20 +61,30 @@ class WorkerRuntime:
         )
 
 
-def _metadata(task: dict, config: RunConfig, started: float | None, session: SessionModel | None, **extra: Any) -> dict:
+def _metadata(task: dict, config: RunConfig, started: float | None, session: SessionModel | None, **extra: Any) -> Metadata:
     stats = session.stats if session else None
-    return {
-        "batch_num": None,  # set by the parent when it commits the row
-        "timestamp": datetime.now().isoformat(),
-        "model": config.model,
-        "row_key": task["key"],
-        "id": task.get("id"),
-        "run_id": config.tools.run_id,
-        "attempt": task["attempt"],
-        "duration_seconds": round(time.monotonic() - started, 3) if started is not None else 0.0,
-        "usage": stats.as_dict() if stats else {},
+    _row_seed(task, config)
+    return Metadata(
+        timestamp=datetime.now().isoformat(),
+        model=config.model,
+        row_key=task["key"],
+        id=task.get("id") or "",
+        run_id=config.tools.run_id,
+        attempt=task["attempt"],
+        duration_seconds=round(time.monotonic() - started, 3) if started is not None else 0.0,
+        usage=Usage.of(stats.as_dict()) if stats else Usage(),
+        seed=task["seed"],
         **extra,
-    }
+    )
+
+
+def _row_seed(task: dict, config: RunConfig) -> int:
+    """The seed this row's sample comes from: the run's (the user's, or the one BatchRunner drew
+    and recorded for the run). A caller that builds a configuration without one (a unit test)
+    gets a seed drawn for the row, recorded all the same."""
+    if "seed" not in task:
+        task["seed"] = config.seed if config.seed is not None else random.randrange(2**31)
+    return task["seed"]
 
 
 def _message(err: Exception) -> str:
@@ -82,16 +93,16 @@ def _message(err: Exception) -> str:
 
 
 def failed_record(task: dict, config: RunConfig, error: str, error_class: str, *,
-                  started: float | None = None, session: SessionModel | None = None) -> dict:
+                  started: float | None = None, session: SessionModel | None = None, **metadata: Any) -> dict:
     """The record of a failed attempt: never merged into trajectories.jsonl, retried on resume."""
-    return {
-        "prompt_index": task["index"],
-        "failed": True,
-        "error": error,
-        "error_class": error_class,
-        "prompt": task["prompt"],
-        "metadata": _metadata(task, config, started, session),
-    }
+    return as_dict(FailedRecord(
+        prompt_index=task["index"],
+        failed=True,
+        error=error,
+        error_class=error_class,
+        prompt=task["prompt"],
+        metadata=_metadata(task, config, started, session, stop_reason="failed", **metadata),
+    ))
 
 
 async def _cleanup(ctx: ToolContext | None, env: Any) -> None:
@@ -117,10 +128,14 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
     session: SessionModel | None = None
     ctx: ToolContext | None = None
     env = None
+    offered: dict[str, Any] = {}  # what the model was offered, for the record of a failure too
     try:
-        rng = rng_for_row(config.seed, task["key"]) if config.seed is not None else random.Random()
-        toolsets = sample_toolsets_from_distribution(config.distribution, rng)
+        toolsets = sample_toolsets_from_distribution(config.distribution, rng_for_row(_row_seed(task, config), task["key"]))
         tools = tools_for_toolsets(toolsets, runtime.unavailable)
+        # The toolsets the model really got: at least one of their tools was offered.
+        offered_toolsets = {spec.toolset for spec in tools}
+        toolsets_used = [ts for ts in toolsets if ts in offered_toolsets]
+        offered = {"tools_offered": [spec.name for spec in tools], "toolsets_sampled": list(toolsets)}
         session = SessionModel(runtime.client, config.model, config.max_tokens, config.extra_body(),
                                stats=CallStats(prices=config.request_prices), tool_choice=config.tool_choice)
         if any(spec.needs_sandbox for spec in tools):
@@ -142,41 +157,41 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
             config,
             started,
             session,
-            seed=config.seed,
-            tools_offered=[spec.name for spec in tools],
             stop_reason=result.error or ("turn_limit" if result.hit_turn_limit else "final_answer"),
             dropped_replies=result.dropped_replies,
             loop_notes=result.loop_notes,
+            **offered,
         )
         common = {
+            "metadata": metadata,
             "api_calls": result.api_calls,
-            "toolsets_used": toolsets,
+            "toolsets_used": toolsets_used,
             "tool_stats": tool_stats,
             "tool_error_counts": tool_error_counts,
             "reasoning_stats": reasoning_stats,
         }
         if config.discard_without_reasoning and reasoning_stats["turns_with_reasoning"] == 0:
-            return {"prompt_index": task["index"], "discarded": "no_reasoning", "prompt": task["prompt"].strip(),
-                    "metadata": metadata, **common}
-        return {
-            "prompt_index": task["index"],
-            "conversations": to_sharegpt(result.messages, task["prompt"], tools),
-            "metadata": metadata,
-            "completed": result.completed,
-            "partial": result.partial,
+            return as_dict(DiscardedRecord(prompt_index=task["index"], discarded="no_reasoning",
+                                           prompt=task["prompt"].strip(), **common))
+        return as_dict(OkRecord(
+            prompt_index=task["index"],
+            conversations=to_sharegpt(result.messages, task["prompt"], tools),
+            completed=result.completed,
+            partial=result.partial,
             **common,
-        }
+        ))
     except ProviderError as err:
-        return failed_record(task, config, _message(err), err.error_class, started=started, session=session)
+        return failed_record(task, config, _message(err), err.error_class, started=started, session=session, **offered)
     except SandboxError as err:
-        return failed_record(task, config, f"environment: {_message(err)}", "environment", started=started, session=session)
+        return failed_record(task, config, f"environment: {_message(err)}", "environment", started=started,
+                             session=session, **offered)
     except asyncio.TimeoutError:
         error = f"prompt took longer than {config.prompt_timeout:g}s"
-        return failed_record(task, config, error, "timeout", started=started, session=session)
+        return failed_record(task, config, error, "timeout", started=started, session=session, **offered)
     except Exception as err:  # a bug in our code fails this row only, with its traceback
         detail = "".join(traceback.format_exception_only(type(err), err)).strip()
         runtime.log(f"[P{task['index']}] agent error:\n{traceback.format_exc()}")
-        return failed_record(task, config, detail, "agent", started=started, session=session)
+        return failed_record(task, config, detail, "agent", started=started, session=session, **offered)
     finally:
         await _cleanup(ctx, env)
 

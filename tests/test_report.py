@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.finalize import merge_run, write_statistics
-from runner.report import choose_sample, summarise_run, write_report
+from runner.finalize import build_statistics, merge_run, run_time, write_statistics
+from runner.report import choose_sample, report_details, summarise_run, write_report
 from tests.conftest import REPO, read_jsonl, run_cli, write_jsonl
 from tools.registry import ALL_TOOL_NAMES
 
@@ -79,6 +79,7 @@ def _failed(key, index, ts, error_class, run_id="run1"):
 
 
 KEYS = [f"k{i}" for i in range(10)]  # the dataset: 10 rows, k7..k9 never ran (k8 only as a filtered line)
+DATASET = {k: i for i, k in enumerate(KEYS)}
 
 
 def _lines(records) -> str:
@@ -120,14 +121,15 @@ def hand_run(tmp_path) -> Path:
 
 def _finalize(run: Path, keys=KEYS) -> dict:
     """statistics.json as the runner writes it at the end of a run."""
-    merged = merge_run(run, {k: i for i, k in enumerate(keys)}, log=lambda _: None)
-    return write_statistics(run, merged, run_name="hand", distribution="development", total_prompts=len(keys),
-                            batch_size=4, model="m", duration=12.5, rows_this_run=7, fingerprint="feedfacecafebeef")
+    view = merge_run(run, {k: i for i, k in enumerate(keys)}, log=lambda _: None, detail=report_details())
+    return write_statistics(run, build_statistics(
+        view, run_name="hand", distribution="development", total_prompts=len(keys), batch_size=4, model="m",
+        run_time=run_time([], view), rows_this_run=7, fingerprint="feedfacecafebeef"))
 
 
 def test_summary_counts_each_row_once_by_its_best_attempt(hand_run):
     stats = _finalize(hand_run)
-    s = summarise_run(hand_run)
+    s = summarise_run(hand_run, dataset=DATASET)
     assert s["rows"] == 7
     assert s["outcomes"] == {"ok": 4, "completed": 2, "partial": 1, "turn_limit": 1, "discarded": 1, "failed": 2,
                              "not_run": 3, "filtered": 1}
@@ -136,20 +138,19 @@ def test_summary_counts_each_row_once_by_its_best_attempt(hand_run):
     assert s["total_prompts"] == 10
     assert s["files"] == {"batch_files": 3, "lines": 11, "unreadable_lines": 2, "torn_files": [], "stale_rows": 0}
     # The same numbers as statistics.json (the runner's own merge).
-    for key in ("ok", "completed", "partial", "discarded", "failed", "not_run", "filtered"):
-        assert s["outcomes"][key] == stats["outcomes"][key], key
+    assert s["outcomes"] == stats["outcomes"]
     assert s["failed_by_class"] == stats["failed_by_class"]
     assert s["reasoning_statistics"] == stats["reasoning_statistics"]
-    assert s["tokens"] == stats["tokens"] and s["cost"] == stats["cost"]
+    assert s["tokens"] == stats["tokens"] and s["cost"] == stats["cost"] and s["spend"] == stats["spend"]
     assert s["retries"] == stats["retries"] == 1 and s["api_calls"] == stats["api_calls"] == 19
     assert {k: {f: v[f] for f in ("count", "success", "failure", "success_rate")} for k, v in s["tool_statistics"].items()} == {
         k: {f: v[f] for f in ("count", "success", "failure", "success_rate")} for k, v in stats["tool_statistics"].items()}
-    assert s["statistics"]["outcomes"] == stats["outcomes"] and s["statistics_outdated"] is False
+    assert s["saved_statistics"]["outcomes"] == stats["outcomes"] and s["statistics_outdated"] is False
 
 
 def test_summary_tools_toolsets_histograms_and_time(hand_run):
     _finalize(hand_run)
-    s = summarise_run(hand_run)
+    s = summarise_run(hand_run, dataset=DATASET)
     assert s["tool_statistics"] == {
         "terminal": {"count": 3, "success": 2, "failure": 1, "success_rate": 66.67, "rows": 2},
         "read_file": {"count": 1, "success": 1, "failure": 0, "success_rate": 100.0, "rows": 1},
@@ -157,20 +158,26 @@ def test_summary_tools_toolsets_histograms_and_time(hand_run):
     }
     # Five rows record their toolsets (4 ok + 1 discarded); targets come from the "development" distribution.
     assert s["toolset_rows"] == 5
+    # Lines without metadata.toolsets_sampled (written before it existed) count as sampled = offered.
     assert s["toolsets"] == {
-        "terminal": {"rows": 4, "share": 80.0, "target": 80},
-        "file": {"rows": 3, "share": 60.0, "target": 80},
-        "moa": {"rows": 0, "share": 0.0, "target": 60},
-        "web": {"rows": 1, "share": 20.0, "target": 30},
-        "vision": {"rows": 0, "share": 0.0, "target": 10},
+        "terminal": {"rows": 4, "share": 80.0, "sampled_rows": 4, "sampled_share": 80.0, "target": 80},
+        "file": {"rows": 3, "share": 60.0, "sampled_rows": 3, "sampled_share": 60.0, "target": 80},
+        "moa": {"rows": 0, "share": 0.0, "sampled_rows": 0, "sampled_share": 0.0, "target": 60},
+        "web": {"rows": 1, "share": 20.0, "sampled_rows": 1, "sampled_share": 20.0, "target": 30},
+        "vision": {"rows": 0, "share": 0.0, "sampled_rows": 0, "sampled_share": 0.0, "target": 10},
     }
     assert s["reasoning_statistics"] == {"total_assistant_turns": 19, "turns_with_reasoning": 18, "turns_without_reasoning": 1}
     assert s["discarded_no_reasoning"] == 1
     assert s["histograms"]["turns"] == {"1": 1, "2": 1, "3": 1, "4": 1, "10": 1}
     assert s["histograms"]["tool_calls"] == {"0": 2, "1": 1, "2": 2}
-    assert s["tokens"]["total_tokens"] == 120 + 240 + 360 + 480 and s["cost"] == 0.1
-    spent = s["spent_all_attempts"]  # every attempt, the discarded and failed ones included
-    assert spent["total_tokens"] == 1200 + 60 + 3 * 30 and spent["cost"] == pytest.approx(0.1 + 0.001 + 3 * 0.0005)
+    # Spend: every attempt (the discarded and failed ones included), then split.
+    assert s["tokens"]["total_tokens"] == 1200 + 60 + 3 * 30 and s["cost"] == pytest.approx(0.1 + 0.001 + 3 * 0.0005)
+    spend = s["spend"]
+    assert spend["kept"]["total_tokens"] == 120 + 240 + 360 + 480 and spend["kept"]["cost"] == 0.1
+    assert spend["discarded"]["total_tokens"] == 60 and spend["failed"]["attempts"] == 3
+    assert spend["other"]["attempts"] == 1  # k8's filtered line
+    assert spend["all"]["attempts"] == 9 and spend["all"]["requests"] == sum(spend[b]["requests"] for b in
+                                                                              ("kept", "discarded", "failed", "other"))
 
     timeline = s["timeline"]
     assert timeline["start"].startswith("2026-01-01T10:00:0")  # the first invocation's start (10:00:10 minus 2 s)
@@ -182,13 +189,13 @@ def test_summary_tools_toolsets_histograms_and_time(hand_run):
     assert d["active_seconds"] == pytest.approx(72 + 2)  # 10:00:08..10:01:20, then 11:00:03..11:00:05
     assert d["span_seconds"] == pytest.approx(3595)  # first row 10:00:10, last 11:00:05
     assert d["first_row_at"] == "2026-01-01T10:00:10" and d["last_row_at"] == "2026-01-01T11:00:05"
-    assert d["last_invocation_seconds"] == 12.5
+    assert d["invocation_count"] == 2 and d["active_seconds"] == s["statistics"]["duration_seconds"]
     assert s["fingerprint"] == "feedfacecafebeef" and s["config"]["distribution"] == "development"
 
 
 def test_summary_without_statistics_json_or_batch_files(tmp_path, hand_run):
-    s = summarise_run(hand_run)  # never finalised: a run stopped hard
-    assert s["statistics"] is None and s["statistics_outdated"] is True
+    s = summarise_run(hand_run)  # never finalised: a run stopped hard; config.json names no dataset
+    assert s["saved_statistics"] is None and s["statistics_outdated"] is True
     assert s["outcomes"]["not_run"] is None and s["outcomes"]["ok"] == 4
     empty = tmp_path / "empty"
     empty.mkdir()

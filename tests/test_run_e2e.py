@@ -45,7 +45,8 @@ def test_full_run_files_and_schema(tmp_path, model_server, remote_args):
         assert traj["completed"] is True and traj["partial"] is False
         assert traj["toolsets_used"] == ["terminal", "file"]
         assert traj["metadata"]["model"] == "test-model"
-        assert traj["metadata"]["id"] == row.get("id")
+        assert traj["metadata"]["id"] == row.get("id", "")  # always a string
+        assert traj["metadata"]["schema_version"] == 2 and isinstance(traj["metadata"]["seed"], int)
     first = trajectories[0]
     tool_turn = next(t for t in first["conversations"] if t["from"] == "tool")["value"]
     response = json.loads(tool_turn.split("<tool_response>\n", 1)[1].split("\n</tool_response>")[0])
@@ -286,7 +287,11 @@ def test_unknown_tool_rows_are_filtered_at_merge(tmp_path, model_server, remote_
     proc = _run(tmp_path, dataset, remote_args, "--distribution=terminal_only", "--resume")
     assert "invalid tool 'hallucinated_tool'" in proc.stdout + proc.stderr
     stats = json.loads((out / "statistics.json").read_text())
-    assert stats["outcomes"]["filtered"] == 1 and stats["outcomes"]["ok"] == 1
+    # The filtered line is no outcome: resume, merge and statistics agree that the row was not
+    # done, so the resume ran it again (once) and its new line is kept.
+    assert stats["outcomes"]["filtered"] == 1 and stats["outcomes"]["ok"] == 2 and stats["outcomes"]["not_run"] == 0
+    assert stats["spend"]["other"]["attempts"] == 1 and stats["spend"]["kept"]["attempts"] == 2
+    assert sorted(t["prompt_index"] for t in read_jsonl(out / "trajectories.jsonl")) == [0, 1]
 
 
 def test_moa_models_come_from_flags_and_enter_the_fingerprint(tmp_path, model_server, remote_args):

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from runner.records import RecordError
 from runner.store import RunStore, batch_files, iter_lines
 
 
-def _record(key: str, index: int, outcome: str = "ok") -> dict:
-    record = {"prompt_index": index, "metadata": {"row_key": key}}
+def _record(key: str, index: int, outcome: str = "ok", cost: float | None = 0.5) -> dict:
+    metadata = {"timestamp": "2026-01-01T10:00:00", "model": "m", "row_key": key, "run_id": "r1", "attempt": 1,
+                "duration_seconds": 1.0, "seed": 1,
+                "usage": {"requests": 2, "retries": 1, "prompt_tokens": 100, "cached_tokens": 40, "cost": cost}}
+    record = {"prompt_index": index}
     if outcome == "failed":
-        record.update(failed=True, error="boom", error_class="provider")
-    elif outcome == "discarded":
-        record.update(discarded="no_reasoning", prompt="p")
+        record.update(failed=True, error="boom", error_class="provider", prompt="p", metadata=metadata)
+        return record
+    if outcome == "discarded":
+        record.update(discarded="no_reasoning", prompt="p", metadata=metadata)
     else:
-        record.update(conversations=[], tool_stats={})
+        record.update(conversations=[{"from": "human", "value": "p"}], metadata=metadata, completed=True, partial=False)
+    record.update(api_calls=1, toolsets_used=[], tool_stats={}, tool_error_counts={}, reasoning_stats={})
     return record
 
 
@@ -85,7 +93,7 @@ def test_checkpoint_cache_is_used_and_tail_after_it_is_read(tmp_path):
     store.close()
     # A line committed after the last checkpoint save (crash before the coalesced write).
     with open(tmp_path / "batch_0.jsonl", "ab") as handle:
-        handle.write(json.dumps(_record("b", 1) | {"metadata": {"row_key": "b", "batch_num": 0}}).encode() + b"\n")
+        handle.write(json.dumps(_record("b", 1)).encode() + b"\n")
     again = RunStore(tmp_path, "r", batch_size=100)
     again.load()
     assert again.is_committed("a") and again.is_committed("b")
@@ -126,3 +134,41 @@ def test_every_file_the_runner_creates_is_private_and_existing_modes_are_kept(tm
     assert proc.returncode == 0, proc.stderr
     for name in ("batch_0.jsonl", "trajectories.jsonl", "report.html", "statistics.json"):
         assert stat.S_IMODE((run_dir / name).stat().st_mode) == 0o640, name
+
+
+def test_a_record_that_does_not_fit_its_schema_is_never_written(tmp_path):
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load()
+    bad = _record("a", 0)
+    bad["metadata"]["id"] = 17  # ids are strings in every row
+    with pytest.raises(RecordError, match="metadata.id"):
+        store.commit([bad])
+    store.close()
+    assert not (tmp_path / "batch_0.jsonl").exists() or (tmp_path / "batch_0.jsonl").read_bytes() == b""
+
+
+def test_spend_is_kept_as_rows_commit_and_survives_a_resume(tmp_path):
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load()
+    store.commit([_record("a", 0), _record("b", 1, "failed"), _record("c", 2, "discarded")])
+    assert store.spent().as_dict()["requests"] == 6 and store.spent().as_dict()["cost"] == 1.5
+    store.close()
+    lines = [json.loads(line) for p in batch_files(tmp_path) for _, line in iter_lines(p)]
+    assert [line["metadata"]["schema_version"] for line in lines] == [2, 2, 2]
+    for cached in (True, False):  # from checkpoint.json, and from the batch files alone
+        if not cached:
+            (tmp_path / "checkpoint.json").unlink()
+        again = RunStore(tmp_path, "r", batch_size=10)
+        again.load()
+        spent = again.spent().as_dict()
+        assert spent["attempts"] == 3 and spent["requests"] == 6 and spent["retries"] == 3
+        assert spent["cost"] == 1.5 and spent["cache_hit_ratio"] == 0.4
+        again.commit([_record("b", 1, cost=None)])  # an endpoint that reports no cost
+        assert again.spent().as_dict()["cost"] is None  # unknown, never 0
+        again.close()
+        assert again.spent().as_dict()["attempts"] == 4
+        (tmp_path / "batch_1.jsonl").unlink()  # back to three lines for the next round
+        (tmp_path / "checkpoint.json").unlink(missing_ok=True)
+        store = RunStore(tmp_path, "r", batch_size=10)
+        store.load()
+        store.close()

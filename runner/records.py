@@ -1,0 +1,248 @@
+"""The committed record: the three kinds of line a batch file holds, defined once.
+
+Every line of a batch file is one of three records:
+- `OkRecord`: a trajectory (completed or partial); the lines trajectories.jsonl is made of;
+- `DiscardedRecord`: a tombstone (the model never reasoned); kept, never paid for again;
+- `FailedRecord`: a failed attempt; retried on resume, never merged.
+
+The worker builds records with these models (so a record that does not fit cannot be made), the
+store validates and serialises them through `record_line` (so a line that does not fit cannot be
+written), and the run view reads lines with `read_line`, which parses only the fields the view
+needs (`LineFields`), not the conversations: a merge of 100,000 rows must not pay for a full
+validation of every turn.
+
+The original's fields keep their names and their order (prompt_index first, then conversations or
+the outcome fields, then metadata, ...); our additions come after them. Every field has one type in
+every row (ids are strings, the seed is an int, lists are lists), so the files of any two runs load
+together in Hugging Face `datasets`. `usage.cost` is the one exception by design: it is null when
+the endpoint reported no cost, because an unknown price is not a price of 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# Version of the record schema, in every row (metadata.schema_version) and in statistics.json.
+# 1: lines written before the version existed (read as well as they can be); 2: these models.
+SCHEMA_VERSION = 2
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class Usage(_Model):
+    """What one attempt spent, summed over every model request of its session (tools' too)."""
+
+    requests: int = 0
+    retries: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_tokens: int = 0
+    total_tokens: int = 0
+    cost: float | None = 0.0  # None: the endpoint reported no cost for at least one request
+
+    @classmethod
+    def of(cls, stats: dict) -> Usage:
+        """From a session's call statistics: the fields this schema has (a new one goes here first)."""
+        return cls(**{k: v for k, v in stats.items() if k in cls.model_fields})
+
+
+class LoopNote(_Model):
+    """A message the loop itself sent to the model (the turn-limit summary request, the repair note
+    after invalid tool-call JSON). It is not part of the conversation, which holds only what a user
+    said and what the model and its tools produced (agent/loop.py)."""
+
+    after_turn: int  # index in `conversations` of the turn after which the note was sent
+    note: str
+
+
+class DroppedReply(_Model):
+    """A model reply the loop did not keep (retried silently: an unknown tool, invalid JSON
+    arguments, thinking without an answer, an empty reply), so every model call is accounted for."""
+
+    call: int  # the model call (1-based) whose reply was dropped
+    reason: str
+
+
+class Metadata(_Model):
+    # The original's three fields first, then ours.
+    batch_num: int = -1  # set by the store when it commits the line
+    timestamp: str
+    model: str
+    row_key: str
+    id: str = ""  # the dataset row's id, as text; "" when the row has none
+    run_id: str  # the invocation that made this attempt
+    attempt: int
+    duration_seconds: float
+    usage: Usage = Field(default_factory=Usage)
+    seed: int  # the run's seed (drawn at random and recorded when --seed is not given)
+    tools_offered: list[str] = Field(default_factory=list)
+    stop_reason: str = ""  # final_answer, turn_limit, why a partial row stopped; "failed" for failures
+    toolsets_sampled: list[str] = Field(default_factory=list)  # before tools that cannot run were removed
+    loop_notes: list[LoopNote] = Field(default_factory=list)
+    dropped_replies: list[DroppedReply] = Field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+
+class ToolCounts(_Model):
+    count: int = 0
+    success: int = 0
+    failure: int = 0
+
+
+class ReasoningStats(_Model):
+    total_assistant_turns: int = 0
+    turns_with_reasoning: int = 0
+    turns_without_reasoning: int = 0
+
+
+class Turn(_Model):
+    from_: str = Field(alias="from")
+    value: str
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class OkRecord(_Model):
+    prompt_index: int
+    conversations: list[Turn]
+    metadata: Metadata
+    completed: bool
+    partial: bool
+    api_calls: int
+    toolsets_used: list[str]  # toolsets with at least one tool offered to the model
+    tool_stats: dict[str, ToolCounts]
+    tool_error_counts: dict[str, int]
+    reasoning_stats: ReasoningStats
+
+
+class DiscardedRecord(_Model):
+    prompt_index: int
+    discarded: Literal["no_reasoning"]
+    prompt: str
+    metadata: Metadata
+    api_calls: int
+    toolsets_used: list[str]
+    tool_stats: dict[str, ToolCounts]
+    tool_error_counts: dict[str, int]
+    reasoning_stats: ReasoningStats
+
+
+class FailedRecord(_Model):
+    prompt_index: int
+    failed: Literal[True]
+    error: str
+    error_class: str
+    prompt: str
+    metadata: Metadata
+
+
+Record = OkRecord | DiscardedRecord | FailedRecord
+OUTCOMES = ("failed", "discarded", "ok")
+OUTCOME_RANK = {name: rank for rank, name in enumerate(OUTCOMES)}  # the better outcome wins
+
+
+def outcome_of(record: dict) -> str:
+    """ok, discarded or failed, from the fields that tell the kinds apart."""
+    if record.get("failed"):
+        return "failed"
+    if record.get("discarded"):
+        return "discarded"
+    return "ok"
+
+
+_KINDS = {"ok": OkRecord, "discarded": DiscardedRecord, "failed": FailedRecord}
+
+
+class RecordError(ValueError):
+    """A record that does not fit its schema; it is never written."""
+
+
+def validate_record(record: dict | Record) -> Record:
+    """The record as its model (raises RecordError naming the first field at fault)."""
+    if isinstance(record, (OkRecord, DiscardedRecord, FailedRecord)):
+        return record
+    kind = _KINDS[outcome_of(record)]
+    try:
+        return kind.model_validate(record)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise RecordError(f"a {outcome_of(record)} record does not fit its schema: {where}: {first['msg']}") from None
+
+
+def record_line(record: Record) -> bytes:
+    """The committed line of a validated record: its fields in schema order, one JSON line."""
+    return record.model_dump_json(by_alias=True).encode() + b"\n"
+
+
+def as_dict(record: Record) -> dict:
+    """The record as plain JSON data (what workers send to the parent)."""
+    return record.model_dump(mode="json", by_alias=True)
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+class LineFields:
+    """The fields of a committed line that the run view needs, parsed from its JSON.
+
+    Plain attribute access over the parsed dict, with the types checked once here, so the merge
+    of a large run does not validate every conversation turn (the models above did that when the
+    line was written). Lines written before the schema version existed read with defaults.
+    """
+
+    __slots__ = ("raw", "key", "outcome", "prompt_index", "row_id", "run_id", "timestamp", "duration", "usage",
+                 "error_class")
+
+    def __init__(self, raw: dict, key: str):
+        self.raw = raw
+        self.key = key
+        self.outcome = outcome_of(raw)
+        metadata = raw["metadata"]
+        self.prompt_index = _int(raw.get("prompt_index"), -1)
+        row_id = metadata.get("id")
+        self.row_id = "" if row_id is None else str(row_id)
+        self.run_id = str(metadata.get("run_id") or "")
+        self.timestamp = metadata.get("timestamp") if isinstance(metadata.get("timestamp"), str) else None
+        duration = metadata.get("duration_seconds")
+        self.duration = float(duration) if _is_number(duration) else None
+        usage = metadata.get("usage")
+        self.usage = usage if isinstance(usage, dict) else {}
+        self.error_class = str(raw.get("error_class") or "agent") if self.outcome == "failed" else None
+
+    @property
+    def metadata(self) -> dict:
+        return self.raw["metadata"]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.raw.get(name, default)
+
+
+def read_line(line: bytes) -> LineFields | None:
+    """The fields of one committed line, or None when it is not a record (not JSON, not an
+    object, no metadata.row_key): such a line is skipped by every reader and counted."""
+    try:
+        raw = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(raw, dict):
+        return None
+    metadata = raw.get("metadata")
+    key = metadata.get("row_key") if isinstance(metadata, dict) else None
+    if not isinstance(key, str) or not key:
+        return None
+    return LineFields(raw, key)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int(value: Any, default: int = 0) -> int:
+    return int(value) if _is_number(value) else default
