@@ -34,6 +34,16 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
 
+class ModelUsage(_Model):
+    """What one attempt spent on one model (the run's model, and the models tools call)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cost: float | None = 0.0
+
+
 class Usage(_Model):
     """What one attempt spent, summed over every model request of its session (tools' too)."""
 
@@ -44,7 +54,8 @@ class Usage(_Model):
     reasoning_tokens: int = 0
     cached_tokens: int = 0
     total_tokens: int = 0
-    cost: float | None = 0.0  # None: the endpoint reported no cost for at least one request
+    cost: float | None = 0.0  # None: the cost of at least one request is unknown (not reported, no price)
+    by_model: dict[str, ModelUsage] = Field(default_factory=dict)
 
     @classmethod
     def of(cls, stats: dict) -> Usage:
