@@ -178,7 +178,7 @@ def print_summary(stats: dict, run_dir: Path, out=print, headline: str = "BATCH 
     out(f"\n{rule}\n📊 {headline}\n{rule}")
     out(f"✅ Prompts processed this run: {stats['rows_this_run']}")
     out(f"✅ Total trajectories in merged file: {outcomes['ok']} "
-        f"(completed {outcomes['completed']}, partial {outcomes['partial']})")
+        f"(completed {outcomes['completed']}, partial {outcomes['partial']}, turn limit {outcomes['turn_limit']})")
     out(f"🚫 Discarded (no reasoning): {outcomes['discarded']}")
     failed = ", ".join(f"{k} {v}" for k, v in stats["failed_by_class"].items())
     out(f"❌ Failed (retried on --resume): {outcomes['failed']}" + (f" ({failed})" if failed else ""))

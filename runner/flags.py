@@ -60,7 +60,8 @@ FLAGS: list[Flag] = _flags(
     NEW,
     ("tool_choice", "auto", "auto, required or none: tool_choice sent with every request that offers tools."),
     ("prompt_caching", "auto", "cache_control breakpoints: auto (Claude models on OpenRouter), on or off."),
-    ("seed", "", "Reproducible toolset sampling (each row's sample depends on the seed and the row)."),
+    ("seed", "drawn", "Reproducible toolset sampling (each row's sample depends on the seed and the row); "
+                      "without it one is drawn for the run and recorded in config.json."),
     ("output_dir", "data", "Parent of the run folder."),
     ("skip_invalid", "off", "Run the valid rows of a dataset that has invalid lines."),
     ("keep_no_reasoning", "off", "Keep rows whose model never reasoned."),
