@@ -2,9 +2,10 @@
 
 Untested here: the machines that build this project cannot reach Modal and `modal` is not
 installed. It is written against Modal's public SDK (`App.lookup`, `Image.from_registry`,
-`Sandbox.create`, `Sandbox.exec`, `Sandbox.open`, `Sandbox.terminate`), and the unit tests only
-check, with a fake `modal` module, which calls it makes. Needs `pip install modal` and Modal
-credentials (`modal setup` or MODAL_TOKEN_ID / MODAL_TOKEN_SECRET).
+`Sandbox.create`, `Sandbox.exec`, `Sandbox.open`, `Sandbox.terminate`); the unit tests check, with
+a fake `modal` module, which calls it makes, and the contract suite runs it against a fake sandbox
+that executes on the host. Needs `pip install modal` and Modal credentials (`modal setup` or
+MODAL_TOKEN_ID / MODAL_TOKEN_SECRET).
 
 Timeouts are Modal's own: `exec(..., timeout=...)` has the process killed server-side. A command
 still running at the deadline is reported as timed out with exit code 124.

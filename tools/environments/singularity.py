@@ -1,7 +1,8 @@
 """Apptainer / Singularity backend: one instance per prompt, driven through the CLI.
 
-Untested here: no apptainer on the CI machine. The unit tests only check the exact command lines
-this class runs (through an injected runner), not that an instance really starts.
+Untested here: no apptainer on the CI machine. The unit tests check the exact command lines this
+class runs (through an injected runner), and the contract suite runs it against a stand-in
+`apptainer` that executes on the host; neither proves that a real instance behaves the same.
 
 An instance is started with `--containall --no-home --writable-tmpfs` and a per-prompt host
 directory bound at the working directory (`/workspace` unless the row names `cwd`), so files there
