@@ -522,8 +522,9 @@ def _full_entry(record: dict, row: _Row, files: list[Path], clipper: _Clipper, s
     meta["file"] = f"{files[row.file_no].name}:{row.line_no}"
     if isinstance(metadata.get("usage"), dict):
         meta["usage"] = metadata["usage"]
-    if isinstance(metadata.get("tools_offered"), list):
-        meta["tools_offered"] = metadata["tools_offered"]
+    for name in ("tools_offered", "toolsets_sampled", "loop_notes", "dropped_replies"):
+        if isinstance(metadata.get(name), list) and metadata[name]:
+            meta[name] = metadata[name]
     entry: dict[str, Any] = {"meta": meta, "turns": turns}
     if row.code == FAILED:
         entry["error"] = clip(record.get("error") or "")

@@ -268,7 +268,8 @@ class RunView:
             entry.failures += 1
         if outcome == "ok" and (bad := invalid_tool(fields.raw)):
             self.filtered += 1
-            self.log(f"   ⚠️  Filtering a row of batch file {file_no}: invalid tool '{bad[:50]}'")
+            where = self.files[file_no].name if 0 <= file_no < len(self.files) else "a new line"
+            self.log(f"   ⚠️  Filtering a row of {where}: invalid tool '{bad[:50]}'")
             self._spend("other", fields)
             return
         if not entry.beaten_by(rank):
