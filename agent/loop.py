@@ -1,19 +1,26 @@
 """The tool-calling loop of one agent session (reference §9.2), asynchronous.
 
+Each model reply is classified once (`classify` returns its `Reply` kind). A final answer ends the
+session; tool calls are run and their results kept. Every other kind is a bad reply: it is dropped
+(listed in `ConversationResult.dropped_replies`, so every model call is accounted for) and the same
+request is sent again, up to MAX_SILENT_RETRIES times per kind; after that the session ends partial,
+or fails when it made nothing worth saving. Two kinds differ: a reply cut at the output length
+limit is never retried, and invalid JSON arguments get a repair note instead of an ending.
+
 Messages kept in `ConversationResult.messages` are the conversation as the model saw it, minus
 what is added at call time only (the system prompt, the ephemeral system prompt and the prefill
 messages). Notes the loop itself tells the model (the turn-limit summary request, the invalid-JSON
 repair note) are user messages marked `"loop_note": True`: the trajectory writer leaves them out of
-the conversation, and `ConversationResult.loop_notes` says where they were. Replies the loop drops
-(retried silently: an unknown tool, invalid JSON arguments, thinking without an answer, an empty
-reply) are listed in `ConversationResult.dropped_replies`, so every model call is accounted for.
+the conversation, and `ConversationResult.loop_notes` says where they were.
 """
 
 from __future__ import annotations
 
-import asyncio
+import enum
 import json
 import re
+from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,20 +50,50 @@ class LoopConfig:
     max_iterations: int = 10
     ephemeral_system_prompt: str | None = None
     prefill_messages: list[dict] = field(default_factory=list)
-    tool_timeout: float | None = None  # seconds for one tool call; None: the tool's own limits
 
 
 @dataclass
 class ConversationResult:
     messages: list[dict]
-    final_response: str | None
-    api_calls: int
-    completed: bool
+    api_calls: int = 0
+    completed: bool = False  # ended with the model's own final answer
     partial: bool = False
     error: str | None = None  # why the run stopped early (partial), if it did
     hit_turn_limit: bool = False
     dropped_replies: list[dict] = field(default_factory=list)  # [{"call": n, "reason": ...}], not saved as turns
     loop_notes: list[dict] = field(default_factory=list)  # [{"after_turn": i, "note": ...}], sent, not saved
+
+
+class Reply(enum.Enum):
+    """What a model reply is, as far as the loop is concerned (see `classify`)."""
+
+    TRUNCATED = "cut at the output length limit"
+    UNCLOSED_SCRATCHPAD = "unclosed scratchpad"
+    UNKNOWN_TOOL = "unknown tool"
+    BAD_JSON = "invalid JSON arguments"
+    TOOL_CALLS = "tool calls"
+    ANSWER = "final answer"
+    THINK_ONLY = "thinking without an answer"
+    EMPTY = "empty"
+
+
+@dataclass
+class Verdict:
+    kind: Reply
+    reason: str = ""  # why a bad reply is dropped (metadata.dropped_replies)
+    tool: str = ""  # the tool a bad call named
+    error: str = ""  # BAD_JSON: what is wrong with its arguments
+    arguments: list[dict] = field(default_factory=list)  # TOOL_CALLS: each call's parsed arguments
+
+
+# How a session ends when a bad reply of this kind may not be retried again (TRUNCATED never is).
+_GIVE_UP = {
+    Reply.TRUNCATED: "response truncated at the output length limit",
+    Reply.UNCLOSED_SCRATCHPAD: f"unclosed {_SCRATCHPAD_OPEN} after {MAX_SILENT_RETRIES} retries",
+    Reply.UNKNOWN_TOOL: "model called a tool it was not offered: {tool}",
+    Reply.THINK_ONLY: f"the model gave no answer beyond thinking after {MAX_SILENT_RETRIES} retries",
+    Reply.EMPTY: f"the model sent an empty reply after {MAX_SILENT_RETRIES} retries",
+}
 
 
 def _system_prompt(config: LoopConfig) -> str:
@@ -110,19 +147,28 @@ def _parse_arguments(raw: Any) -> tuple[dict | None, str | None]:
     return value, None
 
 
-async def _run_tool(spec: ToolSpec, args: dict, ctx: ToolContext, timeout: float | None) -> str:
-    try:
-        result = await asyncio.wait_for(spec.handler(args, ctx), timeout)
-    except SandboxError:
-        raise  # the sandbox is gone: the row fails as 'environment', not as a tool error
-    except asyncio.TimeoutError:
-        result = {"error": f"tool '{spec.name}' timed out after {timeout:g}s"}
-    except Exception as err:  # a tool bug must not end the session: the model sees the error
-        result = {"error": f"{type(err).__name__}: {err}"}
-    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
-    if len(text) > MAX_TOOL_RESULT_CHARS:
-        text = text[:MAX_TOOL_RESULT_CHARS] + f"\n[truncated: {len(text) - MAX_TOOL_RESULT_CHARS} more characters]"
-    return text
+def classify(reply: ModelReply, offered: Container[str]) -> Verdict:
+    """What kind of reply this is; the first kind that applies, in the order of `Reply`."""
+    content = reply.content or ""
+    if reply.finish_reason == "length":
+        return Verdict(Reply.TRUNCATED, "cut at the output length limit")
+    if _SCRATCHPAD_OPEN in content and _SCRATCHPAD_CLOSE not in content:
+        return Verdict(Reply.UNCLOSED_SCRATCHPAD, f"unclosed {_SCRATCHPAD_OPEN}")
+    if reply.tool_calls:
+        names = [call["function"]["name"] for call in reply.tool_calls]
+        unknown = [name for name in names if name not in offered]
+        if unknown:
+            return Verdict(Reply.UNKNOWN_TOOL, f"called a tool it was not offered: {unknown[0]}", unknown[0])
+        parsed = [_parse_arguments(call["function"]["arguments"]) for call in reply.tool_calls]
+        for name, (_, err) in zip(names, parsed):
+            if err:
+                return Verdict(Reply.BAD_JSON, f"invalid JSON arguments for '{name}': {err}", name, err)
+        return Verdict(Reply.TOOL_CALLS, arguments=[args for args, _ in parsed])
+    if _answer_text(content):
+        return Verdict(Reply.ANSWER)
+    if reply.reasoning or content.strip():  # it thought (natively, inline or in a scratchpad)
+        return Verdict(Reply.THINK_ONLY, "no answer beyond thinking")
+    return Verdict(Reply.EMPTY, "empty reply (no content, no tool call)")
 
 
 async def run_conversation(
@@ -137,102 +183,97 @@ async def run_conversation(
     by_name = {spec.name: spec for spec in tools}
     schemas = [spec.openai_schema() for spec in tools] or None
     head = [{"role": "system", "content": _system_prompt(config)}, *config.prefill_messages]
-    messages: list[dict] = [{"role": "user", "content": prompt}]
-    dropped: list[dict] = []  # replies not kept in the conversation: {"call": n, "reason": ...}
-    notes: list[dict] = []  # what the loop told the model itself: {"after_turn": i, "note": ...}
-    api_calls = 0
-    retries = {"unknown_tool": 0, "bad_json": 0, "think_only": 0, "empty": 0, "scratchpad": 0}
+    result = ConversationResult(messages=[{"role": "user", "content": prompt}])
+    # The one retry budget: MAX_SILENT_RETRIES bad replies of each kind are dropped and asked again.
+    retries: Counter[Reply] = Counter()
 
-    def result(final: str | None, **kw: Any) -> ConversationResult:
-        return ConversationResult(messages, final, api_calls, completed=kw.pop("completed", final is not None),
-                                  dropped_replies=dropped, loop_notes=notes, **kw)
-
-    def partial(reason: str) -> ConversationResult:
-        return result(None, completed=False, partial=True, error=reason)
-
-    def drop(kind: str, reason: str) -> bool:
-        """Record a dropped reply; True while this kind of bad reply may still be retried silently."""
-        dropped.append({"call": api_calls, "reason": reason})
-        retries[kind] += 1
-        return retries[kind] <= MAX_SILENT_RETRIES
-
-    def tell(note: str) -> None:
-        notes.append({"after_turn": conversation_length(messages) - 1, "note": note})
-        messages.append({"role": "user", "loop_note": True, "content": note})
-
-    while api_calls < config.max_iterations:
-        api_calls += 1
-        reply = await model.complete(head + [_for_api(m) for m in messages], tools=schemas)
-
-        if reply.finish_reason == "length":
-            dropped.append({"call": api_calls, "reason": "cut at the output length limit"})
-            if not any(m["role"] == "assistant" for m in messages):
-                # Nothing worth saving: fail the row (retried on resume) instead of keeping an empty one.
-                raise ProviderError("the first response was cut at the output length limit (--max_tokens too small?)",
-                                    "truncated")
-            return partial("response truncated at the output length limit")
-
-        content = reply.content or ""
-        if _SCRATCHPAD_OPEN in content and _SCRATCHPAD_CLOSE not in content:
-            if not drop("scratchpad", f"unclosed {_SCRATCHPAD_OPEN}"):
-                return partial(f"unclosed {_SCRATCHPAD_OPEN} after {MAX_SILENT_RETRIES} retries")
+    while result.api_calls < config.max_iterations:
+        result.api_calls += 1
+        reply = await model.complete(head + [_for_api(m) for m in result.messages], tools=schemas)
+        verdict = classify(reply, by_name)
+        if verdict.kind is Reply.ANSWER:
+            result.messages.append(_assistant_message(reply))
+            result.completed = True
+            return result
+        if verdict.kind is Reply.TOOL_CALLS:
+            retries[Reply.UNKNOWN_TOOL] = retries[Reply.BAD_JSON] = 0  # it can call tools properly again
+            await _run_calls(reply, verdict.arguments, by_name, ctx, result)
             continue
-
-        if reply.tool_calls:
-            unknown = [c["function"]["name"] for c in reply.tool_calls if c["function"]["name"] not in by_name]
-            if unknown:
-                if not drop("unknown_tool", f"called a tool it was not offered: {unknown[0]}"):
-                    return partial(f"model called a tool it was not offered: {unknown[0]}")
-                continue
-            parsed = [_parse_arguments(c["function"]["arguments"]) for c in reply.tool_calls]
-            broken = [(c, err) for c, (_, err) in zip(reply.tool_calls, parsed) if err]
-            if broken:
-                call, err = broken[0]
-                if not drop("bad_json", f"invalid JSON arguments for '{call['function']['name']}': {err}"):
-                    tell(
-                        f"The arguments of your call to '{call['function']['name']}' were not valid JSON "
-                        f"({err}). Call it again with a JSON object as arguments (use {{}} for no arguments)."
-                    )
-                    retries["bad_json"] = 0
-                continue
-            retries["unknown_tool"] = retries["bad_json"] = 0
-            calls = [
-                {"id": c["id"] or f"call_{api_calls}_{i}", "type": "function",
-                 "function": {"name": c["function"]["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
-                for i, (c, (args, _)) in enumerate(zip(reply.tool_calls, parsed))
-            ]
-            messages.append(_assistant_message(reply, calls))
-            for call, (args, _) in zip(calls, parsed):
-                spec = by_name[call["function"]["name"]]
-                output = await _run_tool(spec, args, ctx, config.tool_timeout)
-                messages.append({"role": "tool", "tool_call_id": call["id"], "name": spec.name, "content": output})
+        result.dropped_replies.append({"call": result.api_calls, "reason": verdict.reason})
+        retries[verdict.kind] += 1
+        if verdict.kind is not Reply.TRUNCATED and retries[verdict.kind] <= MAX_SILENT_RETRIES:
             continue
-
-        if not _answer_text(content):
-            if reply.reasoning or content.strip():  # it thought (natively, inline or in a scratchpad)
-                if not drop("think_only", "no answer beyond thinking"):
-                    messages.append(_assistant_message(reply))
-                    return partial(f"the model gave no answer beyond thinking after {MAX_SILENT_RETRIES} retries")
-                continue
-            if not drop("empty", "empty reply (no content, no tool call)"):
-                if not any(m["role"] == "assistant" for m in messages):
-                    raise ProviderError(f"the model sent only empty replies ({retries['empty']} in a row, no content, no tool call)")
-                return partial(f"the model sent an empty reply after {MAX_SILENT_RETRIES} retries")
+        if verdict.kind is Reply.BAD_JSON:  # silent retries did not help: say what was wrong, then go on
+            _tell(result, f"The arguments of your call to '{verdict.tool}' were not valid JSON "
+                          f"({verdict.error}). Call it again with a JSON object as "
+                          "arguments (use {} for no arguments).")
+            retries[Reply.BAD_JSON] = 0
             continue
+        return _give_up(verdict, reply, result, retries[verdict.kind])
+    return await _turn_limit_summary(model, head, schemas, result)
 
-        messages.append(_assistant_message(reply))
-        return result(content)
 
+def _give_up(verdict: Verdict, reply: ModelReply, result: ConversationResult, count: int) -> ConversationResult:
+    """End the session on a bad reply: partial, or a failed row when there is nothing worth saving."""
+    answered = any(m["role"] == "assistant" for m in result.messages)
+    if verdict.kind is Reply.TRUNCATED and not answered:  # failed, so retried on resume, not kept empty
+        raise ProviderError("the first response was cut at the output length limit (--max_tokens too small?)",
+                            "truncated")
+    if verdict.kind is Reply.EMPTY and not answered:
+        raise ProviderError(f"the model sent only empty replies ({count} in a row, no content, no tool call)")
+    if verdict.kind is Reply.THINK_ONLY:
+        result.messages.append(_assistant_message(reply))  # its last thought is the final turn
+    result.partial, result.error = True, _GIVE_UP[verdict.kind].format(tool=verdict.tool)
+    return result
+
+
+async def _run_calls(reply: ModelReply, arguments: list[dict], by_name: dict[str, ToolSpec], ctx: ToolContext,
+                     result: ConversationResult) -> None:
+    """Keep the reply with its calls (arguments re-serialised as parsed, missing ids made up), then run each."""
+    calls = [
+        {"id": call["id"] or f"call_{result.api_calls}_{i}", "type": "function",
+         "function": {"name": call["function"]["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+        for i, (call, args) in enumerate(zip(reply.tool_calls, arguments))
+    ]
+    result.messages.append(_assistant_message(reply, calls))
+    for call, args in zip(calls, arguments):
+        spec = by_name[call["function"]["name"]]
+        output = await _run_tool(spec, args, ctx)
+        result.messages.append({"role": "tool", "tool_call_id": call["id"], "name": spec.name, "content": output})
+
+
+async def _run_tool(spec: ToolSpec, args: dict, ctx: ToolContext) -> str:
+    try:
+        result = await spec.handler(args, ctx)
+    except SandboxError:
+        raise  # the sandbox is gone: the row fails as 'environment', not as a tool error
+    except Exception as err:  # a tool bug must not end the session: the model sees the error
+        result = {"error": f"{type(err).__name__}: {err}"}
+    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+    if len(text) > MAX_TOOL_RESULT_CHARS:
+        text = text[:MAX_TOOL_RESULT_CHARS] + f"\n[truncated: {len(text) - MAX_TOOL_RESULT_CHARS} more characters]"
+    return text
+
+
+def _tell(result: ConversationResult, note: str) -> None:
+    """A note the loop itself sends the model: a user message, recorded in loop_notes, never a turn."""
+    result.loop_notes.append({"after_turn": conversation_length(result.messages) - 1, "note": note})
+    result.messages.append({"role": "user", "loop_note": True, "content": note})
+
+
+async def _turn_limit_summary(model: Any, head: list[dict], schemas: list[dict] | None,
+                              result: ConversationResult) -> ConversationResult:
     # Out of turns: one extra call for a final summary (not counted in api_calls). The tools stay
     # defined, with tool_choice "none": Anthropic-family providers reject a history of tool calls
     # whose tools are not defined in the request.
-    tell(SUMMARY_REQUEST)
-    reply = await model.complete(head + [_for_api(m) for m in messages], tools=schemas, tool_choice="none")
-    final = _answer_text(reply.content) or None
-    if final is None:
-        dropped.append({"call": api_calls + 1, "reason": "turn-limit summary: no answer in the reply"})
-    else:
+    result.hit_turn_limit = True
+    _tell(result, SUMMARY_REQUEST)
+    reply = await model.complete(head + [_for_api(m) for m in result.messages], tools=schemas, tool_choice="none")
+    final = _answer_text(reply.content)
+    if final:
         summary = _assistant_message(reply)  # any tool call in it is not kept: none may be made now
         summary.update(content=final, summary=True)
-        messages.append(summary)
-    return result(final, completed=False, hit_turn_limit=True)
+        result.messages.append(summary)
+    else:
+        result.dropped_replies.append({"call": result.api_calls + 1, "reason": "turn-limit summary: no answer in the reply"})
+    return result

@@ -167,10 +167,12 @@ def test_bad_json_is_retried_then_repaired_with_a_loop_note():
     result, model = _run([bad] * (MAX_SILENT_RETRIES + 1) + [_call("fixed"), _text("Done.")])
     assert result.completed
     assert [d["call"] for d in result.dropped_replies] == [1, 2, 3]
-    assert result.dropped_replies[0]["reason"].startswith("invalid JSON arguments for 'echo': ")
     note = result.messages[1]
     assert note["role"] == "user" and note["loop_note"] is True
-    assert note["content"].startswith("The arguments of your call to 'echo' were not valid JSON (")
+    error = "Expecting value: line 1 column 10 (char 9)"
+    assert result.dropped_replies[0]["reason"] == f"invalid JSON arguments for 'echo': {error}"
+    assert note["content"] == (f"The arguments of your call to 'echo' were not valid JSON ({error}). "
+                               "Call it again with a JSON object as arguments (use {} for no arguments).")
     assert result.loop_notes == [{"after_turn": 1, "note": note["content"]}]
     assert model.requests[3]["messages"][-1] == {"role": "user", "content": note["content"]}  # sent without our keys
     assert [t["from"] for t in to_sharegpt(result.messages, "Prompt.", [ECHO])] == ["system", "human", "gpt", "tool", "gpt"]
