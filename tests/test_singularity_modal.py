@@ -452,6 +452,17 @@ def test_registry_names_every_backend_module_and_class():
         assert issubclass(backend_class(name), Backend)
 
 
+def test_cli_choices_of_terminal_env_come_from_the_registry(monkeypatch):
+    """--help and the error for an unknown --terminal_env list the registered backends."""
+    from runner.flags import FLAGS
+    from tools import environments
+
+    help_line = next(flag.help for flag in FLAGS if flag.name == "terminal_env")
+    assert help_line == "Where commands run: local, docker, singularity or modal."
+    monkeypatch.setitem(environments.BACKENDS, "firecracker", "local:LocalEnvironment")
+    assert environments.backend_choices() == "local, docker, singularity, modal or firecracker"
+
+
 def test_no_backend_imports_another_and_none_imports_an_sdk_it_does_not_use():
     """Each backend module imports only base (and its own SDK): singularity never drags in docker."""
     import ast

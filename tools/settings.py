@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field, SecretStr
 
 class ToolSettings(BaseModel):
     # Where terminal and file tools run.
-    terminal_env: str = "local"  # local | docker | singularity | modal
+    terminal_env: str = "local"  # a name in tools.environments.BACKENDS: local | docker | singularity | modal
     sandbox: str | None = None  # local only: "bwrap" runs each command under bubblewrap
     keep_workdirs: bool = False
     workdir_root: str | None = None  # local: parent of the per-prompt working directories

@@ -80,9 +80,10 @@ class Backend:
     @classmethod
     def prepare_run(cls, settings: ToolSettings, images: set[str], *, say: Callable[[str], None],
                     log: Callable[[str], None]) -> dict[str, str]:
-        """Once per run (under Ray: once per node and image), before any model call: get the images
-        ready. Returns image -> why it cannot be used, for the images that cannot; rows using those
-        fail as `environment` without a model call. `say` prints to the console, `log` is verbose."""
+        """Once per run (under Ray: once per node and image), before any model call: get `images`
+        (the distinct row images and the run's default) ready. Returns image -> why it cannot be
+        used, for those that cannot; their rows fail as `environment` without a model call. `say`
+        prints to the console, `log` only with --verbose."""
         return {}
 
 
