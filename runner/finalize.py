@@ -27,10 +27,10 @@ from runner.store import atomic_write_json, batch_files, keep_mode
 
 
 def merge_run(run_dir: Path, key_to_index: Mapping[str, int], log=print, *, ids: Mapping[str, str] | None = None,
-              detail: Detail | None = None) -> RunView:
+              detail: Detail | None = None, on_line=None) -> RunView:
     """Read the run into a view of the dataset `key_to_index` (with its current `ids`) and write
-    trajectories.jsonl from it. `detail` is the report's per-row hook (see RunView)."""
-    view = read_run(batch_files(run_dir), RunView(key_to_index, ids=ids, detail=detail, log=log))
+    trajectories.jsonl from it. `detail` and `on_line` are the report's hooks (see RunView)."""
+    view = read_run(batch_files(run_dir), RunView(key_to_index, ids=ids, detail=detail, on_line=on_line, log=log))
     ids = view.ids
     ok_rows = sorted(
         (key_to_index[key], entry, ids.get(key, "")) for key, entry in view.rows.items() if entry.rank == OK_RANK

@@ -204,16 +204,19 @@ class RunView:
     `dataset` maps the row keys of the current dataset to their index (None: every key in the
     files is a row, as the store sees them); `ids` gives their current ids. `tally=True` adds the
     figures over kept rows and the per-invocation time spans (the merge needs them; a resume
-    does not). `detail(fields, entry)` is called for each line that becomes
-    a row's winner, and its value kept on the entry (the report's per-row summary).
+    does not). `detail(fields, entry)` is called for each line that becomes a row's winner, and
+    its value kept on the entry (the report's per-row summary); `on_line(fields)` for every
+    committed line, stale ones included (a reader with sums of its own: the files are read once).
     """
 
     def __init__(self, dataset: Mapping[str, int] | None = None, *, ids: Mapping[str, str] | None = None,
-                 tally: bool = True, detail: Detail | None = None, log: Callable[[str], None] = print):
+                 tally: bool = True, detail: Detail | None = None,
+                 on_line: Callable[[LineFields], None] | None = None, log: Callable[[str], None] = print):
         self.dataset = dataset
         self.ids = ids or {}
         self.tally = tally
         self.detail = detail
+        self.on_line = on_line
         self.log = log
         self.files: list[Path] = []
         self.rows: dict[str, RowEntry] = {}
@@ -256,6 +259,8 @@ class RunView:
         self._count_batch(str(fields.metadata.get("batch_num", batch)), outcome)
         if self.tally:
             self._note_span(fields)
+        if self.on_line is not None:
+            self.on_line(fields)
         if self.dataset is not None and key not in self.dataset:
             self.stale.add(key)
             self._spend("other" if outcome == "ok" else outcome, fields)
