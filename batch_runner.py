@@ -666,11 +666,22 @@ class BatchRunner:
             fingerprint=config.fingerprint(),
         ))
         print_summary(stats, self.run_dir, headline=self._headline())
+        self._monitor.close(self._end_state(stats["outcomes"]))  # before the report, which shows it
         self._write_report(view, stats)
-        code = self._exit_code(stats["outcomes"])
-        self._monitor.close({EXIT_OK: "done", EXIT_INCOMPLETE: "incomplete", EXIT_FATAL_PROVIDER: "stopped_provider",
-                             EXIT_BUDGET: "stopped_budget", EXIT_INTERRUPTED: "interrupted"}.get(code, "stopped"))
-        return code
+        return self._exit_code(stats["outcomes"])
+
+    def _end_state(self, outcomes: dict) -> str:
+        """status.json's last state: the same decision as _exit_code, as a word."""
+        not_done = outcomes["failed"] + outcomes["not_run"]
+        if self.fatal_message:
+            return "stopped_provider"
+        if self.stopping == "interrupted":
+            return "interrupted"
+        if self._monitor.budget_reached and not_done:
+            return "stopped_budget"
+        if self.stopping == "workers":
+            return "stopped_workers"
+        return "incomplete" if not_done else "done"
 
     def _headline(self) -> str:
         """What happened to the run, for the summary's title (not 'COMPLETE' after a Ctrl-C)."""

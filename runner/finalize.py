@@ -159,6 +159,10 @@ def build_statistics(view: RunView, *, run_name: str, distribution: str, total_p
         "retries": total["retries"],
         "api_calls": view.kept.api_calls,  # model calls in the kept trajectories (the rows' api_calls)
         "spend": {"all": total, **spend},
+        # Not parts of "spend" (they overlap it): spend by model (the run's and the tools' models),
+        # and the part of "failed" spent on attempts whose row a later attempt finished.
+        "spend_by_model": view.cost.models() if view.cost is not None else {},
+        "spend_retried": view.cost.retried(view.is_committed) if view.cost is not None else None,
         "run_time": run_time,
         "rows_this_run": rows_this_run,
         "stale_rows": len(view.stale),
@@ -195,6 +199,10 @@ def print_summary(stats: dict, run_dir: Path, out=print, headline: str = "BATCH 
                           ("other", "other lines")):
         if stats["spend"][bucket]["attempts"]:
             out(_spend_line(f"     on {label}", stats["spend"][bucket]))
+    models = stats.get("spend_by_model") or {}
+    if len(models) > 1:  # tools called other models: what each cost
+        out("     by model: " + "; ".join(f"{name} {m['requests']:,} requests, {_cost_text(m['cost'])}"
+                                        for name, m in models.items()))
     out("\n📈 Tool Usage Statistics:\n" + "-" * 70)
     tools = stats["tool_statistics"]
     if tools:

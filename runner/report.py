@@ -39,6 +39,7 @@ import orjson
 
 from runner.records import LineFields
 from runner.runview import Detail, RowEntry, RunView, parse_time, read_run
+from runner.spend_view import read_invocations
 from runner.store import batch_files, keep_mode
 
 REPORT_NAME = "report.html"
@@ -378,6 +379,13 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
         "cost": stats["cost"],
         "cache_hit_ratio": stats["cache_hit_ratio"],
         "spend": stats["spend"],
+        # The spend panel: over time, by model, retried attempts, each invocation's closing forecast.
+        "spend_view": {
+            "curve": view.cost.curve() if view.cost is not None else None,
+            "by_model": stats.get("spend_by_model") or {},
+            "retried": stats.get("spend_retried"),
+            "invocations": read_invocations(run_dir) if run_dir.is_dir() else [],
+        },
         "retries": stats["retries"],
         "requests": stats["requests"],
         "api_calls": stats["api_calls"],

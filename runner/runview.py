@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.records import OUTCOME_RANK, LineFields, read_line
+from runner.spend_view import SpendTally
 from tools.registry import all_tool_names
 NO_WINNER = -1  # rank of a row whose lines were all filtered
 OK_RANK, DISCARDED_RANK = OUTCOME_RANK["ok"], OUTCOME_RANK["discarded"]
@@ -228,6 +229,8 @@ class RunView:
         self.kept = KeptTally()
         self.batch_stats: dict[str, dict[str, int]] = {}
         self.spans: dict[str, list] = {}  # run_id -> [first start, last end, lines], from line timestamps
+        # spend by model, retried attempts and spend over time (the merge and the report need them)
+        self.cost = SpendTally() if tally else None
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -294,6 +297,8 @@ class RunView:
 
     def _spend(self, bucket: str, fields: LineFields) -> None:
         self.spend[bucket].add(fields.usage, fields.duration)
+        if self.cost is not None:
+            self.cost.add(bucket, fields.key, fields.timestamp, fields.usage)
 
     def _note_span(self, fields: LineFields) -> None:
         end = parse_time(fields.timestamp)

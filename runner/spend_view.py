@@ -1,21 +1,22 @@
 """The report's spend figures: over time, by outcome, by model, the cache hit ratio and the
 forecast each invocation ended with.
 
-Fed one committed line at a time by the run view's reader (so the batch files are still read
-once), then `summary()` turns the sums into the JSON the report draws. Every committed attempt
-counts, kept or not: its line's spend goes to `kept`, `discarded`, `failed` (failed attempts of
-rows that are still not done) or `retried` (failed attempts of rows a later attempt finished).
+The run view (runner/runview.py) sums spend by what became of each line; it also hands each line
+to a `SpendTally`, which adds what the view does not keep: spend by model (`usage.by_model`:
+the run's model and the models tools call), the part of the failed attempts whose row a later
+attempt finished ("retried"), and cumulative spend over time. `read_invocations` gives the
+forecast each invocation ended with (status_history.jsonl).
 """
 
 from __future__ import annotations
 
 import bisect
 from array import array
+from datetime import datetime
 from pathlib import Path
 
 import orjson
 
-OUTCOMES = ("kept", "discarded", "failed", "retried")
 TIME_POINTS = 120  # points of the cumulative spend curve
 
 
@@ -43,57 +44,56 @@ def _merge(into: dict, other: dict) -> None:
 
 
 def _public(bucket: dict) -> dict:
-    """Rounded; cost null (unknown) when no attempt of the bucket had a known cost."""
+    """Rounded; cost null (unknown) when any attempt had no known cost, as runner.runview.Spend."""
     out = dict(bucket)
-    priced = bucket["attempts"] - bucket["unpriced_attempts"]
-    out["cost"] = None if bucket["unpriced_attempts"] and not priced else round(bucket["cost"], 6)
+    out["cost"] = None if bucket["unpriced_attempts"] else round(bucket["cost"], 6)
     return out
 
 
 class SpendTally:
+    """Fed by the run view with the spend bucket it gave each line (kept, discarded, failed, other)."""
+
     def __init__(self) -> None:
-        self.buckets = {name: _bucket() for name in ("kept", "discarded", "unsettled")}
         self.by_model: dict[str, dict] = {}
         self.failed_by_row: dict[str, dict] = {}  # row key -> spend of its failed lines, settled at the end
         self.times = array("d")  # commit time of each line with a known cost, and that cost
         self.costs = array("d")
 
-    def add(self, row_key: str, outcome: str, timestamp: float | None, usage: dict) -> None:
-        """One committed line: outcome is the line's own (ok / discarded / failed)."""
-        if not isinstance(usage, dict):
-            usage = {}
-        if outcome == "failed":
+    def add(self, bucket: str, row_key: str, timestamp: str | None, usage: dict) -> None:
+        if bucket == "failed":
             _add(self.failed_by_row.setdefault(row_key, _bucket()), usage)
-        else:
-            # an ok line that is not the row's winner (a duplicate) is rare; it counts as kept spend
-            _add(self.buckets["kept" if outcome == "ok" else "discarded"], usage)
-        for model, figures in (usage.get("by_model") or {}).items():
-            if isinstance(figures, dict):  # attempts here: committed lines that used the model
-                _add(self.by_model.setdefault(model, _bucket()), figures)
+        by_model = usage.get("by_model")
+        if isinstance(by_model, dict):
+            for model, figures in by_model.items():
+                if isinstance(figures, dict):  # attempts here: committed lines that used the model
+                    _add(self.by_model.setdefault(str(model), _bucket()), figures)
         cost = usage.get("cost")
-        if timestamp is not None and isinstance(cost, (int, float)) and not isinstance(cost, bool):
-            self.times.append(timestamp)
+        if isinstance(cost, (int, float)) and not isinstance(cost, bool) and timestamp:
+            try:
+                when = datetime.fromisoformat(timestamp).timestamp()
+            except ValueError:
+                return
+            self.times.append(when)
             self.costs.append(float(cost))
 
-    def summary(self, finished, invocations: list[dict] | None = None) -> dict:
-        """`finished(row_key)`: whether the row ended ok or discarded (its failed lines were retried)."""
-        outcomes = {name: _bucket() for name in OUTCOMES}
-        _merge(outcomes["kept"], self.buckets["kept"])
-        _merge(outcomes["discarded"], self.buckets["discarded"])
-        for key, bucket in self.failed_by_row.items():
-            _merge(outcomes["retried" if finished(key) else "failed"], bucket)
+    def retried(self, finished) -> dict:
+        """Spend of the failed attempts whose row a later attempt finished (`finished(key)`)."""
         total = _bucket()
-        for bucket in outcomes.values():
-            _merge(total, bucket)
-        prompt = total["prompt_tokens"]
-        return {
-            "total": _public(total),
-            "by_outcome": {name: _public(bucket) for name, bucket in outcomes.items()},
-            "by_model": {model: _public(entry) for model, entry in sorted(self.by_model.items())},
-            "cache_hit_ratio": round(total["cached_tokens"] / prompt, 4) if prompt else None,
-            "over_time": spend_curve(self.times, self.costs),
-            "invocations": invocations or [],
-        }
+        for key, bucket in self.failed_by_row.items():
+            if finished(key):
+                _merge(total, bucket)
+        return _public(total)
+
+    def models(self) -> dict:
+        return {model: _public(entry) for model, entry in sorted(self.by_model.items())}
+
+    def curve(self) -> dict | None:
+        """Cumulative spend of the lines with a known cost, at up to TIME_POINTS even time steps."""
+        if not self.times:
+            return None
+        start = min(self.times)
+        return {"start": datetime.fromtimestamp(start).isoformat(timespec="seconds"), "start_epoch": start,
+                "points": spend_curve(self.times, self.costs)}
 
 
 def spend_curve(times, costs, points: int = TIME_POINTS) -> list[list[float]]:

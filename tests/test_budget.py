@@ -162,6 +162,16 @@ def test_budget_stops_starting_rows_and_a_resume_finishes_each_row_once(tmp_path
     assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 16
     history = read_jsonl(run_dir / "status_history.jsonl")
     assert [h["state"] for h in history] == ["stopped_budget", "stopped_budget", "done"]
+    # the report shows spend over time, by outcome and model, and each invocation's closing forecast
+    from tests.test_report import _script_json
+
+    summary = _script_json((run_dir / "report.html").read_text(encoding="utf-8"), "summary-data")
+    view = summary["spend_view"]
+    assert [i["state"] for i in view["invocations"]] == ["stopped_budget", "stopped_budget", "done"]
+    assert view["invocations"][0]["forecast_total_usd"] == pytest.approx(16 * COST)
+    assert view["curve"]["points"][-1][1] == pytest.approx(16 * COST)
+    assert view["by_model"]["test-model"]["requests"] == 16
+    assert summary["spend"]["kept"]["cost"] == pytest.approx(16 * COST)
 
 
 def test_scope_invocation_ignores_earlier_spend(tmp_path, model_server):
@@ -230,6 +240,10 @@ def test_tool_model_calls_are_counted_by_model(tmp_path, model_server):
     assert usage["requests"] == 7 == len(model_server.requests)
     assert usage["cost"] == pytest.approx(7 * COST)
     assert sum(e["prompt_tokens"] for e in by_model.values()) == usage["prompt_tokens"]
+    stats = json.loads((tmp_path / "data" / "r" / "statistics.json").read_text())
+    assert {m: e["requests"] for m, e in stats["spend_by_model"].items()} == {m: e["requests"] for m, e in by_model.items()}
+    assert stats["spend_by_model"]["ref/a"]["cost"] == pytest.approx(COST)
+    assert "by model:" in proc.stdout and "agg/judge 1 requests" in proc.stdout
 
 
 def test_unpriced_run_says_unknown(tmp_path, model_server):
@@ -241,28 +255,43 @@ def test_unpriced_run_says_unknown(tmp_path, model_server):
     assert "Spend: unknown" in proc.stdout
     status = json.loads((run_dir / "status.json").read_text())
     assert status["spend"]["total_usd"] is None and status["forecast"] is None
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["cost"] is None and stats["spend"]["all"]["unpriced_attempts"] == 2
+    assert stats["spend_by_model"]["test-model"]["cost"] is None
+    assert "cost unknown" in proc.stdout
 
 
-def test_spend_view_splits_by_outcome_model_and_time(tmp_path):
+def test_spend_view_splits_by_model_retried_and_time(tmp_path):
     from runner.spend_view import SpendTally, read_invocations
 
     tally = SpendTally()
     usage = lambda cost, model="m": {"requests": 1, "prompt_tokens": 100, "cached_tokens": 25, "cost": cost,  # noqa: E731
                                      "by_model": {model: {"requests": 1, "prompt_tokens": 100, "cached_tokens": 25,
                                                           "cost": cost}}}
-    tally.add("a", "failed", 10.0, usage(0.1))
-    tally.add("a", "ok", 20.0, usage(0.2))  # a: failed once, then kept: its failed attempt was retried
-    tally.add("b", "failed", 30.0, usage(0.3, "tool"))  # b: still failed
-    tally.add("c", "discarded", 40.0, usage(None))  # unpriced
-    out = tally.summary(finished=lambda key: key in ("a", "c"))
-    assert {k: v["cost"] for k, v in out["by_outcome"].items()} == {
-        "kept": 0.2, "discarded": None, "failed": 0.3, "retried": 0.1}
-    assert out["total"]["cost"] == pytest.approx(0.6) and out["total"]["unpriced_attempts"] == 1
-    assert out["by_model"]["m"]["requests"] == 3 and out["by_model"]["tool"]["cost"] == 0.3
-    assert out["cache_hit_ratio"] == 0.25
-    assert out["over_time"][0] == [0.0, 0.1] and out["over_time"][-1] == [20.0, pytest.approx(0.6)]
+    tally.add("failed", "a", "2026-12-01T10:00:10", usage(0.1))
+    tally.add("kept", "a", "2026-12-01T10:00:20", usage(0.2))  # a: failed once, then kept: retried
+    tally.add("failed", "b", "2026-12-01T10:00:30", usage(0.3, "tool"))  # b: still failed
+    tally.add("discarded", "c", "2026-12-01T10:00:40", usage(None))  # unpriced
+    retried = tally.retried(finished=lambda key: key in ("a", "c"))
+    assert retried["cost"] == 0.1 and retried["attempts"] == 1
+    models = tally.models()
+    assert models["m"]["requests"] == 3 and models["m"]["cost"] is None  # one attempt unpriced: unknown, not 0.3
+    assert models["m"]["unpriced_attempts"] == 1 and models["tool"]["cost"] == 0.3
+    curve = tally.curve()
+    assert curve["start"] == "2026-12-01T10:00:10"
+    assert curve["points"][0] == [0.0, 0.1] and curve["points"][-1] == [20.0, pytest.approx(0.6)]
     (tmp_path / "status_history.jsonl").write_text(
         json.dumps({"state": "stopped_budget", "spend": {"total_usd": 0.5}, "forecast": {"total_usd": 2.0},
                     "budget": {"max_cost_usd": 0.5}}) + "\n{torn")
     (inv,) = read_invocations(tmp_path)
     assert inv["state"] == "stopped_budget" and inv["forecast_total_usd"] == 2.0 and inv["max_cost_usd"] == 0.5
+
+
+def test_spend_of_failed_attempts_that_were_retried(tmp_path, model_server):
+    rows = [{"prompt": "@fail 400 1\nFails once, then works."}, {"prompt": "Works."}]
+    args = _args(tmp_path, model_server, rows)
+    assert run_cli(args, tmp_path).returncode == 2
+    assert run_cli(args + ["--resume"], tmp_path).returncode == 0
+    stats = json.loads((tmp_path / "data" / "r" / "statistics.json").read_text())
+    failed, retried = stats["spend"]["failed"], stats["spend_retried"]
+    assert failed["attempts"] == retried["attempts"] == 1 and retried["requests"] == 1
