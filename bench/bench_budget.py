@@ -15,7 +15,9 @@ real code of each step driven the way the runner drives it:
   advances as a run of 64 sessions at 60 prompts/s does (the rate bench_throughput.py preset a
   measures), so status.json is really rewritten (atomically, fsynced) every 5 s of that clock and
   the console line printed every 60 s;
-- the extra bytes `usage.by_model` adds to a committed line, and orjson's time to write them.
+- the extra bytes `usage.by_model` adds to a committed line, and orjson's time to write them;
+- at the end of the run, the merge's `SpendTally.add` per committed line (spend by model, retried
+  attempts, the spend curve), once per prompt.
 
 Target: at most 1 ms of CPU per prompt in total.
 """
@@ -35,6 +37,7 @@ import orjson  # noqa: E402
 from agent.model_client import CallStats  # noqa: E402
 from agent.pricing import Prices  # noqa: E402
 from runner.budget import Budget  # noqa: E402
+from runner.spend_view import SpendTally  # noqa: E402
 from runner.status import LiveSpend, RunMonitor  # noqa: E402
 
 TARGET_MS = 1.0
@@ -132,6 +135,16 @@ def record_growth(usages: list[dict]) -> tuple[float, float]:
     return extra, max(0.0, full - (time.process_time() - start)) / rounds
 
 
+def merge_side(usages: list[dict]) -> float:
+    """CPU seconds of the merge's spend tally over every committed line (and its summaries)."""
+    tally = SpendTally()
+    start = time.process_time()
+    for i, usage in enumerate(usages):
+        tally.add("kept" if i % 10 else "failed", f"k{i}", f"2026-12-01T10:{i // 3600 % 60:02d}:{i % 60:02d}.123456", usage)
+    tally.models(), tally.retried(lambda key: True), tally.curve()
+    return time.process_time() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=20_000)
@@ -142,16 +155,19 @@ def main() -> None:
         parent_cpu, writes, lines = parent_side(usages, run_dir)
         one_write = status_write_cost(run_dir)
         extra_bytes, extra_dump = record_growth(usages)
+        merge_cpu = merge_side(usages)
     n = args.prompts
     worker_ms = worker_cpu / n * 1000
     parent_ms = parent_cpu / n * 1000
-    total_ms = worker_ms + parent_ms + extra_dump * 1000
+    merge_ms = merge_cpu / n * 1000
+    total_ms = worker_ms + parent_ms + extra_dump * 1000 + merge_ms
     print(f"{n:,} prompts, {SESSIONS} sessions, {RATE:g} prompts/s of simulated clock "
           f"({writes} status.json writes, {lines} console spend lines)")
     print(f"  worker: request accounting (6 requests, 2 models, priced) + as_dict  {worker_ms * 1000:8.1f} µs/prompt")
     print(f"  parent: monitor + budget + status.json writes                        {parent_ms * 1000:8.1f} µs/prompt")
     print(f"  one status.json write (snapshot + JSON + atomic fsynced rename)      {one_write * 1e6:8.1f} µs")
     print(f"  usage.by_model in a committed line: +{extra_bytes} bytes, +{extra_dump * 1e6:.2f} µs to serialise")
+    print(f"  merge: spend by model, retried, spend curve                          {merge_ms * 1000:8.1f} µs/prompt")
     verdict = "OK" if total_ms <= TARGET_MS else "OVER"
     print(f"  total CPU per prompt: {total_ms:.3f} ms (target at most {TARGET_MS:g} ms): {verdict}")
     raise SystemExit(0 if total_ms <= TARGET_MS else 1)
