@@ -143,6 +143,7 @@ class RunStore:
         self._lines_in_batch = 0
         self._last_checkpoint = 0.0
         self._dirty = False
+        self._view_diverged = False  # a failed commit left lines in the view that are not in the files
 
     # --- reading what is there ------------------------------------------------------------
 
@@ -261,6 +262,9 @@ class RunStore:
                 self._synced_size = self._handle.tell()
                 self.file_sizes[Path(self._handle.name).name] = self._synced_size
         except OSError as err:
+            # The view has counted lines that were cut back off the file: from now on it is not
+            # what the files say, so no checkpoint is written from it (a resume reads the files).
+            self._view_diverged = True
             path = self._abandon_batch_file()
             raise StorageError(path or self.run_dir, err) from err
         self._dirty = True
@@ -299,6 +303,8 @@ class RunStore:
         _fsync_dir(self.run_dir)  # the new file's name must survive a crash too
 
     def save_checkpoint(self, force: bool = False) -> None:
+        if self._view_diverged:
+            return
         now = time.monotonic()
         if not force and (not self._dirty or now - self._last_checkpoint < self.CHECKPOINT_EVERY):
             return

@@ -172,3 +172,32 @@ def test_spend_is_kept_as_rows_commit_and_survives_a_resume(tmp_path):
         store = RunStore(tmp_path, "r", batch_size=10)
         store.load()
         store.close()
+
+
+def test_a_failed_commit_never_reaches_checkpoint_json(tmp_path):
+    """Disk full mid-group: the rows of the failed group are not committed, and no checkpoint
+    written after it (at close) may say they are, or a resume would never run them."""
+    import errno
+
+    from runner.store import StorageError
+
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load()
+    store.commit([_record("a", 0)])
+    store.save_checkpoint(force=True)
+    real_write, calls = store._write_all, []
+
+    def full_disk(data: bytes) -> None:
+        calls.append(data)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(data)
+
+    store._write_all = full_disk
+    with pytest.raises(StorageError):
+        store.commit([_record("b", 1), _record("c", 2)])
+    store.close()
+    again = RunStore(tmp_path, "r", batch_size=10)
+    again.load()
+    assert again.is_committed("a") and not again.is_committed("b") and not again.is_committed("c")
+    assert again.spent().attempts == 1
