@@ -63,17 +63,8 @@ def clean_task_leftovers(settings, task_ids: list[str], log=print) -> None:
     """After a worker died: stop its sessions' commands, remove their working directories and
     the containers it owned (it could not do it itself). Runs in a thread of the parent."""
     try:
-        if settings.terminal_env == "local" and task_ids:
-            from tools.environments.local import kill_task_processes, remove_workdirs, workdir_prefix
+        from tools.environments import backend_class
 
-            wanted = set(task_ids)
-            kill_task_processes(lambda task: task in wanted)
-            if not settings.keep_workdirs:
-                for task_id in task_ids:
-                    remove_workdirs(settings.workdir_root, workdir_prefix(task_id))
-        elif settings.terminal_env == "docker":
-            from tools.environments.images import reap_stale_containers
-
-            reap_stale_containers(log=log)
+        backend_class(settings.terminal_env).clean_task_leftovers(settings, task_ids, log=log)
     except Exception as err:  # best effort: the next start of the run cleans up again
         log(f"⚠️  Could not clean up after a dead worker: {type(err).__name__}: {err}")

@@ -86,6 +86,10 @@ class Backend:
         prints to the console, `log` only with --verbose."""
         return {}
 
+    @classmethod
+    def clean_task_leftovers(cls, settings: ToolSettings, task_ids: list[str], *, log: Callable[[str], None]) -> None:
+        """After a worker died: remove what the sessions of these tasks left (it could not)."""
+
 
 def container_image(settings: ToolSettings, image: str | None) -> str:
     """The row's image, else the run's default; a container backend cannot start without one."""

@@ -106,6 +106,13 @@ class DockerEnvironment(Backend):
         status = prepare_images(images, progress=lambda image, state: log(f"   {image}: {state}"))
         return {image: error for image, error in status.items() if error}
 
+    @classmethod
+    def clean_task_leftovers(cls, settings, task_ids, *, log) -> None:
+        """A dead worker's containers have a dead owner: reap them (and any other dead runner's)."""
+        from .images import reap_stale_containers
+
+        reap_stale_containers(log=log)
+
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:

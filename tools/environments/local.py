@@ -68,6 +68,16 @@ class LocalEnvironment(Backend):
             sandbox=settings.sandbox, max_output_chars=settings.max_output_chars, command_timeout=settings.command_timeout,
         ))
 
+    @classmethod
+    def clean_task_leftovers(cls, settings, task_ids: list[str], *, log) -> None:
+        """Stop the tasks' commands and remove their working directories."""
+        wanted = set(task_ids)
+        if wanted:
+            kill_task_processes(lambda task: task in wanted)
+        if not settings.keep_workdirs:
+            for task_id in task_ids:
+                remove_workdirs(settings.workdir_root, workdir_prefix(task_id))
+
     def start(self) -> None:
         cfg = self.config
         if cfg.sandbox not in (None, "bwrap"):
