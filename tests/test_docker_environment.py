@@ -245,7 +245,7 @@ def test_image_per_environment(make_env):
         plain.cleanup()
 
 
-def test_factory_uses_row_image_then_run_default(client, run_id):
+def test_registry_builds_from_row_image_then_run_default(client, run_id):
     settings = ToolSettings(terminal_env="docker", docker_image=BUSYBOX_IMAGE, run_name="tests", run_id=run_id)
     row_image = create_environment(settings, task_id="t1", image=MARKED_IMAGE, cwd="/data")
     default = create_environment(settings, task_id="t2", image=None, cwd=None)

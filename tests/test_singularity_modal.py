@@ -404,7 +404,7 @@ def settings(backend: str, **options) -> ToolSettings:
     return ToolSettings(terminal_env=backend, run_name="r", run_id="id1", **options)
 
 
-def test_factory_container_backends_take_row_image_then_default():
+def test_registry_container_backends_take_row_image_then_default():
     env = create_environment(settings("singularity", docker_image="base:1", container_memory="1g"),
                              task_id="t", image="row:2", cwd="/src")
     assert isinstance(env, SingularityEnvironment)
@@ -415,7 +415,7 @@ def test_factory_container_backends_take_row_image_then_default():
     assert (env.config.image, env.config.command_timeout) == ("base:1", 9)
 
 
-def test_factory_docker_labels_and_limits():
+def test_registry_docker_labels_and_limits():
     from tools.environments.docker import DockerEnvironment
 
     env = create_environment(settings("docker", container_cpus=0.5, container_network="bridge"),
@@ -426,19 +426,19 @@ def test_factory_docker_labels_and_limits():
 
 
 @pytest.mark.parametrize("backend", ["docker", "singularity", "modal"])
-def test_factory_container_backend_without_image(backend):
+def test_registry_container_backend_without_image(backend):
     with pytest.raises(SandboxError, match=f"terminal_env={backend} needs a container image"):
         create_environment(settings(backend), task_id="t", image=None, cwd=None)
 
 
-def test_factory_local_ignores_image(tmp_path):
+def test_registry_local_ignores_image(tmp_path):
     local = pytest.importorskip("tools.environments.local")
     env = create_environment(settings("local", workdir_root=str(tmp_path)), task_id="t", image="ignored:1", cwd=None)
     assert isinstance(env, local.LocalEnvironment)
     assert env.config.workdir_root == str(tmp_path)
 
 
-def test_factory_unknown_backend():
+def test_registry_unknown_backend():
     with pytest.raises(ValueError, match="unknown terminal_env 'daytona'"):
         create_environment(settings("daytona"), task_id="t", image="x", cwd=None)
 
