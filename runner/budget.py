@@ -77,6 +77,7 @@ class Budget:
         self.reached = False  # the budget stopped the run from starting rows
         self.unmeasurable = False  # ... because no committed attempt had a known cost
         self.cancelled = 0  # rows in flight cancelled at the budget (--max_cost_hard)
+        self.cancelled_estimate = 0.0  # what they had spent, by the estimate that cancelled them
 
     def on_start(self, key: str) -> None:
         self.started[key] = time.monotonic()
@@ -108,6 +109,7 @@ class Budget:
         if (self.spend.budget_cost() or 0.0) + so_far >= self.limit:
             self.reached = True
             self.cancelled = len(self.started)
+            self.cancelled_estimate = so_far
             return True
         return False
 
@@ -121,7 +123,8 @@ class Budget:
         lines = [f"💸 Stopped at the cost budget: ${spent:.4f} spent {where} of --max_cost=${self.limit:g}."]
         if self.cancelled:
             lines.append(f"   {self.cancelled} row(s) in flight were cancelled (--max_cost_hard); they were not "
-                         "committed and run again on resume; what they had spent is not in these figures.")
+                         "committed and run again on resume; what they had spent (about "
+                         f"${self.cancelled_estimate:.4f} by estimate) is not in these figures.")
         if self.spend.estimated_attempts:
             lines.append(f"   {self.spend.estimated_attempts} attempt(s) reported no cost and were counted at the mean.")
         hint = f"; the forecast for every row is up to ${forecast_high:.4f}" if forecast_high else ""

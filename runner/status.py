@@ -282,6 +282,9 @@ class RunMonitor:
                 "scope": spend.scope,
                 "counted_usd": _round(spend.budget_cost()),  # None: spend cannot be measured
                 "reached": bool(self.budget is not None and self.budget.reached),
+                # --max_cost_hard: rows cancelled in flight (not committed) and their estimated spend
+                "cancelled_rows": self.budget.cancelled if self.budget is not None else 0,
+                "cancelled_estimated_usd": _round(self.budget.cancelled_estimate) if self.budget is not None else 0.0,
             },
             "forecast": None if outlook is None else {
                 "remaining_usd": _round(outlook.remaining),

@@ -192,6 +192,8 @@ def test_hard_budget_cancels_rows_in_flight(tmp_path, model_server):
     assert "cancelled" in proc.stderr
     run_dir = tmp_path / "data" / "r"
     assert len(_lines(run_dir)) == 2 and _spent(run_dir) == pytest.approx(0.0002)
+    budget = json.loads((run_dir / "status.json").read_text())["budget"]
+    assert budget["cancelled_rows"] == 1 and 0 < budget["cancelled_estimated_usd"] <= COST
     # a third row started (committed plus expected spend was still under 0.00025) and was cancelled in
     # flight, not committed (under heavy load its request may not have reached the server yet)
     assert len(model_server.requests) in (2, 3)
