@@ -118,9 +118,10 @@ class CallStats:
     reasoning_tokens: int = 0
     cached_tokens: int = 0
     total_tokens: int = 0
-    cost: float | None = 0.0  # None once any reply's cost is unknown (none reported, no price given)
-    # model -> {requests, prompt_tokens, completion_tokens, cached_tokens, cost}: the run's model and
-    # the models tools call (mixture_of_agents, vision), each with its own figures.
+    cost: float = 0.0  # the known costs (a lower bound once unpriced_requests > 0)
+    unpriced_requests: int = 0  # replies whose cost is unknown (none reported, no price given)
+    # model -> {requests, prompt_tokens, completion_tokens, cached_tokens, cost, unpriced_requests}:
+    # the run's model and the models tools call (mixture_of_agents, vision), each with its own figures.
     by_model: dict[str, dict] = field(default_factory=dict)
     prices: Prices | None = field(default=None, repr=False)  # for replies without a reported cost
 
@@ -135,29 +136,33 @@ class CallStats:
         self.cached_tokens += int(usage.get("cached_tokens") or 0)
         self.total_tokens += int(usage.get("total_tokens") or 0)
         cost = request_cost(usage, self.prices)
-        self.cost = None if cost is None or self.cost is None else self.cost + cost
+        if cost is None:
+            self.unpriced_requests += 1
+        else:
+            self.cost += cost
         if model is not None:
             entry = self._model(model)
             for key in ("prompt_tokens", "completion_tokens", "cached_tokens"):
                 entry[key] += int(usage.get(key) or 0)
-            entry["cost"] = None if cost is None or entry["cost"] is None else entry["cost"] + cost
+            if cost is None:
+                entry["unpriced_requests"] += 1
+            else:
+                entry["cost"] += cost
 
     def _model(self, model: str) -> dict:
         entry = self.by_model.get(model)
         if entry is None:
             entry = self.by_model[model] = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0,
-                                            "cached_tokens": 0, "cost": 0.0}
+                                            "cached_tokens": 0, "cost": 0.0, "unpriced_requests": 0}
         return entry
 
     def as_dict(self) -> dict:
+        """The row's `usage` (runner.records.Usage): by_model as a list sorted by model, so its
+        schema is the same whatever models a run used."""
         data = {k: v for k, v in self.__dict__.items() if k not in ("prices", "by_model")}
-        data["cost"] = _round_cost(self.cost)
-        data["by_model"] = {m: {**e, "cost": _round_cost(e["cost"])} for m, e in sorted(self.by_model.items())}
+        data["cost"] = round(self.cost, 8)
+        data["by_model"] = [{"model": m, **e, "cost": round(e["cost"], 8)} for m, e in sorted(self.by_model.items())]
         return data
-
-
-def _round_cost(cost: float | None) -> float | None:
-    return None if cost is None else round(cost, 8)
 
 
 def parse_duration(text: str) -> float | None:

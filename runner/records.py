@@ -14,20 +14,25 @@ validation of every turn.
 The original's fields keep their names and their order (prompt_index first, then conversations or
 the outcome fields, then metadata, ...); our additions come after them. Every field has one type in
 every row (ids are strings, the seed is an int, lists are lists), so the files of any two runs load
-together in Hugging Face `datasets`. `usage.cost` is the one exception by design: it is null when
-the endpoint reported no cost, because an unknown price is not a price of 0.
+together in Hugging Face `datasets`. Arrow takes a column's type from the first file it reads, so
+no field may be null in a whole file or be a list that is empty in every row of it (`list<null>`
+cannot take a later file's values), and no field may be a mapping whose keys vary between runs
+(a struct of other fields): hence `usage.cost` is always a number with `usage.unpriced_requests`
+saying whether it is complete (an unknown price is not a price of 0), `usage.by_model` is a list
+of entries naming their model, and the loop's notes and dropped replies are text, one line each.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # Version of the record schema, in every row (metadata.schema_version) and in statistics.json.
-# 1: lines written before the version existed (read as well as they can be); 2: these models.
-SCHEMA_VERSION = 2
+# 1: lines written before the version existed (read as well as they can be); 2: cost null when
+# unknown, by_model a mapping, notes and dropped replies lists (read too); 3: these models.
+SCHEMA_VERSION = 3
 
 
 class _Model(BaseModel):
@@ -37,11 +42,13 @@ class _Model(BaseModel):
 class ModelUsage(_Model):
     """What one attempt spent on one model (the run's model, and the models tools call)."""
 
+    model: str
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    cost: float | None = 0.0
+    cost: float = 0.0  # the known costs; a lower bound when unpriced_requests > 0
+    unpriced_requests: int = 0  # replies whose cost is unknown (none reported, no price given)
 
 
 class Usage(_Model):
@@ -54,8 +61,9 @@ class Usage(_Model):
     reasoning_tokens: int = 0
     cached_tokens: int = 0
     total_tokens: int = 0
-    cost: float | None = 0.0  # None: the cost of at least one request is unknown (not reported, no price)
-    by_model: dict[str, ModelUsage] = Field(default_factory=dict)
+    cost: float = 0.0  # the known costs: the attempt's cost when unpriced_requests is 0, else a lower bound
+    unpriced_requests: int = 0  # replies whose cost is unknown (none reported, no price given)
+    by_model: list[ModelUsage] = Field(default_factory=list)  # sorted by model
 
     @classmethod
     def of(cls, stats: dict) -> Usage:
@@ -63,21 +71,42 @@ class Usage(_Model):
         return cls(**{k: v for k, v in stats.items() if k in cls.model_fields})
 
 
-class LoopNote(_Model):
-    """A message the loop itself sent to the model (the turn-limit summary request, the repair note
-    after invalid tool-call JSON). It is not part of the conversation, which holds only what a user
-    said and what the model and its tools produced (agent/loop.py)."""
+def note_lines(notes: list[dict]) -> str:
+    """`metadata.loop_notes`: one line per message the loop itself sent to the model (the turn-limit
+    summary request, the repair note after invalid tool-call JSON), "after turn N: <note>", N being
+    the index in `conversations` of the turn it followed. Notes are not conversation turns: a
+    conversation holds only what a user said and what the model and its tools produced."""
+    return "\n".join(f"after turn {n['after_turn']}: {_one_line(n['note'])}" for n in notes)
 
-    after_turn: int  # index in `conversations` of the turn after which the note was sent
-    note: str
+
+def dropped_lines(replies: list[dict]) -> str:
+    """`metadata.dropped_replies`: one line per model reply the loop did not keep (retried silently: an
+    unknown tool, invalid JSON arguments, thinking without an answer, an empty reply), "call N:
+    <reason>", N the 1-based model call, so every model call is accounted for."""
+    return "\n".join(f"call {d['call']}: {_one_line(d['reason'])}" for d in replies)
 
 
-class DroppedReply(_Model):
-    """A model reply the loop did not keep (retried silently: an unknown tool, invalid JSON
-    arguments, thinking without an answer, an empty reply), so every model call is accounted for."""
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
 
-    call: int  # the model call (1-based) whose reply was dropped
-    reason: str
+
+def known_cost(usage: Mapping[str, Any]) -> float | None:
+    """The cost of an attempt (or of one `by_model` entry), None when it is unknown: some reply had
+    no cost (schema 3: `unpriced_requests` > 0; schema 2 lines: a null cost)."""
+    cost = usage.get("cost")
+    if usage.get("unpriced_requests") or isinstance(cost, bool) or not isinstance(cost, (int, float)):
+        return None
+    return float(cost)
+
+
+def model_entries(usage: Mapping[str, Any]) -> list[dict]:
+    """`usage.by_model` as a list of entries with a `model` name (schema 2 lines held a mapping)."""
+    by_model = usage.get("by_model")
+    if isinstance(by_model, dict):
+        return [{"model": str(name), **figures} for name, figures in by_model.items() if isinstance(figures, dict)]
+    if isinstance(by_model, list):
+        return [entry for entry in by_model if isinstance(entry, dict) and "model" in entry]
+    return []
 
 
 class Metadata(_Model):
@@ -95,8 +124,8 @@ class Metadata(_Model):
     tools_offered: list[str] = Field(default_factory=list)
     stop_reason: str = ""  # final_answer, turn_limit, why a partial row stopped; "failed" for failures
     toolsets_sampled: list[str] = Field(default_factory=list)  # before tools that cannot run were removed
-    loop_notes: list[LoopNote] = Field(default_factory=list)
-    dropped_replies: list[DroppedReply] = Field(default_factory=list)
+    loop_notes: str = ""  # note_lines(): "after turn N: <note>" per line, "" when the loop sent none
+    dropped_replies: str = ""  # dropped_lines(): "call N: <reason>" per line, "" when none was dropped
     schema_version: int = SCHEMA_VERSION
 
 

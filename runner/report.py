@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import orjson
 
-from runner.records import LineFields
+from runner.records import LineFields, dropped_lines, note_lines
 from runner.runview import Detail, RowEntry, RunView, parse_time, read_run
 from runner.spend_view import read_invocations
 from runner.store import batch_files, keep_mode
@@ -530,9 +530,15 @@ def _full_entry(record: dict, row: _Row, files: list[Path], clipper: _Clipper, s
     meta["file"] = f"{files[row.file_no].name}:{row.line_no}"
     if isinstance(metadata.get("usage"), dict):
         meta["usage"] = metadata["usage"]
-    for name in ("tools_offered", "toolsets_sampled", "loop_notes", "dropped_replies"):
+    for name in ("tools_offered", "toolsets_sampled"):
         if isinstance(metadata.get(name), list) and metadata[name]:
             meta[name] = metadata[name]
+    for name, as_text in (("loop_notes", note_lines), ("dropped_replies", dropped_lines)):
+        value = metadata.get(name)
+        if isinstance(value, list):  # schema 2 lines kept them as lists of objects
+            value = as_text([item for item in value if isinstance(item, dict)])
+        if isinstance(value, str) and value:
+            meta[name] = value.splitlines()
     entry: dict[str, Any] = {"meta": meta, "turns": turns}
     if row.code == FAILED:
         entry["error"] = clip(record.get("error") or "")

@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from runner.records import OUTCOME_RANK, LineFields, read_line
+from runner.records import OUTCOME_RANK, LineFields, known_cost, read_line
 from runner.spend_view import SpendTally
 from tools.registry import all_tool_names
 NO_WINNER = -1  # rank of a row whose lines were all filtered
@@ -63,11 +63,11 @@ class Spend:
                 v = usage.get(k)
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     counts[k] += int(v)
-        cost = usage.get("cost", 0.0)
+        cost = known_cost(usage)
         if cost is None:
             if usage.get("requests"):
                 self.unpriced += 1
-        elif isinstance(cost, (int, float)):
+        else:
             self.cost += cost
             if usage.get("requests"):
                 self.priced += 1

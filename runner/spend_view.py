@@ -17,6 +17,8 @@ from pathlib import Path
 
 import orjson
 
+from runner.records import known_cost, model_entries
+
 TIME_POINTS = 120  # points of the cumulative spend curve
 
 
@@ -31,8 +33,8 @@ def _add(bucket: dict, usage: dict) -> None:
         value = usage.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             bucket[key] += value
-    cost = usage.get("cost")
-    if isinstance(cost, (int, float)) and not isinstance(cost, bool):
+    cost = known_cost(usage)
+    if cost is not None:
         bucket["cost"] += cost
     elif usage.get("requests"):
         bucket["unpriced_attempts"] += 1
@@ -62,13 +64,10 @@ class SpendTally:
     def add(self, bucket: str, row_key: str, timestamp: str | None, usage: dict) -> None:
         if bucket == "failed":
             _add(self.failed_by_row.setdefault(row_key, _bucket()), usage)
-        by_model = usage.get("by_model")
-        if isinstance(by_model, dict):
-            for model, figures in by_model.items():
-                if isinstance(figures, dict):  # attempts here: committed lines that used the model
-                    _add(self.by_model.setdefault(str(model), _bucket()), figures)
-        cost = usage.get("cost")
-        if isinstance(cost, (int, float)) and not isinstance(cost, bool) and timestamp:
+        for entry in model_entries(usage):  # attempts here: committed lines that used the model
+            _add(self.by_model.setdefault(str(entry["model"]), _bucket()), entry)
+        cost = known_cost(usage)
+        if cost is not None and timestamp:
             try:
                 when = datetime.fromisoformat(timestamp).timestamp()
             except ValueError:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import orjson
 
+from runner.records import known_cost
+
 STATUS_VERSION = 1
 Z95 = 1.96  # two-sided 95 % normal quantile
 
@@ -45,7 +47,7 @@ class LiveSpend:
             return  # nothing was asked of a model (e.g. its image was missing): nothing spent
         self.duration += duration
         self.timed_attempts += 1
-        cost = usage.get("cost")
+        cost = known_cost(usage)
         if cost is None:
             self.unknown_attempts += 1
         else:

@@ -28,7 +28,7 @@ from agent.trajectory import extract_reasoning_stats, extract_tool_stats, normal
 from agent.types import ProviderError
 from runner.config import RunConfig
 from tools.environments.base import SandboxError
-from runner.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, Usage, as_dict
+from runner.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, Usage, as_dict, dropped_lines, note_lines
 from tools.registry import ToolContext, tools_for_toolsets
 from toolset_distributions import rng_for_row, sample_toolsets_from_distribution
 
@@ -158,8 +158,8 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
             started,
             session,
             stop_reason=result.error or ("turn_limit" if result.hit_turn_limit else "final_answer"),
-            dropped_replies=result.dropped_replies,
-            loop_notes=result.loop_notes,
+            dropped_replies=dropped_lines(result.dropped_replies),
+            loop_notes=note_lines(result.loop_notes),
             **offered,
         )
         common = {

@@ -10,6 +10,7 @@ import pytest
 from agent.model_client import CallStats
 from agent.pricing import Prices, request_cost
 from runner.budget import Budget, cost_options
+from runner.records import known_cost
 from runner.status import LiveSpend, forecast
 from tests.conftest import read_jsonl, run_cli, write_jsonl
 
@@ -43,16 +44,19 @@ def test_call_stats_by_model_and_unknown_is_never_zero():
     stats.add_usage({"prompt_tokens": 5, "completion_tokens": 1, "cost": 0.25}, "tool-model")
     data = stats.as_dict()
     assert data["cost"] == 0.75 and data["requests"] == 2
-    assert data["by_model"] == {
-        "main": {"requests": 1, "prompt_tokens": 10, "completion_tokens": 2, "cached_tokens": 0, "cost": 0.5},
-        "tool-model": {"requests": 1, "prompt_tokens": 5, "completion_tokens": 1, "cached_tokens": 0, "cost": 0.25},
-    }
-    assert "prices" not in data
+    assert data["by_model"] == [  # a list sorted by model: the same schema whatever models a run used
+        {"model": "main", "requests": 1, "prompt_tokens": 10, "completion_tokens": 2, "cached_tokens": 0, "cost": 0.5,
+         "unpriced_requests": 0},
+        {"model": "tool-model", "requests": 1, "prompt_tokens": 5, "completion_tokens": 1, "cached_tokens": 0,
+         "cost": 0.25, "unpriced_requests": 0},
+    ]
+    assert "prices" not in data and data["unpriced_requests"] == 0
     stats.count_request("tool-model")
     stats.add_usage({"prompt_tokens": 5, "completion_tokens": 1}, "tool-model")  # no cost, no price
     data = stats.as_dict()
-    assert data["cost"] is None and data["by_model"]["tool-model"]["cost"] is None
-    assert data["by_model"]["main"]["cost"] == 0.5
+    main, tool = data["by_model"]
+    assert known_cost(data) is None and data["unpriced_requests"] == 1 and data["cost"] == 0.75  # a lower bound
+    assert known_cost(tool) is None and tool["unpriced_requests"] == 1 and known_cost(main) == 0.5
 
 
 def test_cost_flags_are_checked():
@@ -238,11 +242,11 @@ def test_tool_model_calls_are_counted_by_model(tmp_path, model_server):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (line,) = _lines(tmp_path / "data" / "r")
     usage = line["metadata"]["usage"]
-    by_model = usage["by_model"]
+    by_model = {e["model"]: e for e in usage["by_model"]}
     assert {m: e["requests"] for m, e in by_model.items()} == {
         "test-model": 3, "ref/a": 1, "ref/b": 1, "agg/judge": 1, "vis/eye": 1}
     assert usage["requests"] == 7 == len(model_server.requests)
-    assert usage["cost"] == pytest.approx(7 * COST)
+    assert usage["cost"] == pytest.approx(7 * COST) and usage["unpriced_requests"] == 0
     assert sum(e["prompt_tokens"] for e in by_model.values()) == usage["prompt_tokens"]
     stats = json.loads((tmp_path / "data" / "r" / "statistics.json").read_text())
     assert {m: e["requests"] for m, e in stats["spend_by_model"].items()} == {m: e["requests"] for m, e in by_model.items()}
@@ -255,7 +259,10 @@ def test_unpriced_run_says_unknown(tmp_path, model_server):
     proc = run_cli(_args(tmp_path, model_server, rows), tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = tmp_path / "data" / "r"
-    assert all(r["metadata"]["usage"]["cost"] is None for r in _lines(run_dir))
+    for line in _lines(run_dir):  # every row's cost is a number, and says it is not the whole cost
+        usage = line["metadata"]["usage"]
+        assert usage["cost"] == 0.0 and usage["unpriced_requests"] == usage["requests"] > 0
+        assert known_cost(usage) is None
     assert "Spend: unknown" in proc.stdout
     status = json.loads((run_dir / "status.json").read_text())
     assert status["spend"]["total_usd"] is None and status["forecast"] is None
@@ -269,9 +276,11 @@ def test_spend_view_splits_by_model_retried_and_time(tmp_path):
     from runner.spend_view import SpendTally, read_invocations
 
     tally = SpendTally()
-    usage = lambda cost, model="m": {"requests": 1, "prompt_tokens": 100, "cached_tokens": 25, "cost": cost,  # noqa: E731
-                                     "by_model": {model: {"requests": 1, "prompt_tokens": 100, "cached_tokens": 25,
-                                                          "cost": cost}}}
+    def usage(cost, model="m"):
+        figures = {"requests": 1, "prompt_tokens": 100, "cached_tokens": 25, "cost": cost or 0.0,
+                   "unpriced_requests": int(cost is None)}
+        return {**figures, "by_model": [{"model": model, **figures}]}
+
     tally.add("failed", "a", "2026-12-01T10:00:10", usage(0.1))
     tally.add("kept", "a", "2026-12-01T10:00:20", usage(0.2))  # a: failed once, then kept: retried
     tally.add("failed", "b", "2026-12-01T10:00:30", usage(0.3, "tool"))  # b: still failed

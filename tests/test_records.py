@@ -175,10 +175,10 @@ def _load_both_orders(tmp_path, files):
 
 def test_two_dissimilar_runs_load_together_in_either_order(tmp_path, model_server, remote_args):
     pytest.importorskip("datasets")
-    plain = [  # no ids, no seed, another distribution and turn limit, rows without reasoning kept
-        {"prompt": '@tool write_file {"path": "a.txt", "content": "x"}\n@tool read_file {"path": "a.txt"}\nFiles.'},
-        {"prompt": "@reasoning none\nKept without reasoning."},
-        {"prompt": "Just answer."},
+    plain = [  # no ids, no seed, another distribution and turn limit, rows without reasoning kept, no cost reported
+        {"prompt": '@cost none\n@tool write_file {"path": "a.txt", "content": "x"}\n@tool read_file {"path": "a.txt"}\nFiles.'},
+        {"prompt": "@cost none\n@reasoning none\nKept without reasoning."},
+        {"prompt": "@cost none\nJust answer."},
     ]
     files = _two_runs(tmp_path, remote_args, plain, "--distribution=development", "--max_turns=5",
                       "--keep_no_reasoning")
@@ -195,8 +195,6 @@ def test_two_dissimilar_runs_load_together_in_either_order(tmp_path, model_serve
     _load_both_orders(tmp_path, files)
 
 
-@pytest.mark.xfail(strict=True, reason="Arrow infers a list that is empty in every row of the first file as "
-                                       "list<null>; a later file with loop notes cannot be cast to it")
 def test_a_run_without_any_loop_note_and_one_with_them_load_together(tmp_path, model_server, remote_args):
     pytest.importorskip("datasets")
     files = _two_runs(tmp_path, remote_args, [{"prompt": TERMINAL * 3 + "Out of turns."}], "--max_turns=2")

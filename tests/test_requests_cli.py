@@ -79,7 +79,7 @@ def test_raw_control_characters_in_arguments_are_accepted(tmp_path, model_server
     sent = json.loads(json.dumps(_chat(model_server)[1]["messages"][-2]))  # the call as the runner sent it back
     assert json.loads(sent["tool_calls"][0]["function"]["arguments"]) == {"command": "echo first\necho second"}
     (row,) = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
-    assert row["api_calls"] == 2 and row["metadata"]["dropped_replies"] == []
+    assert row["api_calls"] == 2 and row["metadata"]["dropped_replies"] == ""
     assert row["tool_stats"]["terminal"] == {"count": 1, "success": 1, "failure": 0}
     assert "first\\nsecond" in row["conversations"][3]["value"]
 
@@ -105,7 +105,7 @@ def test_empty_replies_are_reported_as_empty_and_never_saved_as_success(tmp_path
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (row,) = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
     assert row["prompt_index"] == 0 and row["completed"] and row["api_calls"] == 3
-    assert row["metadata"]["dropped_replies"] == [{"call": 1, "reason": "empty reply (no content, no tool call)"}]
+    assert row["metadata"]["dropped_replies"] == "call 1: empty reply (no content, no tool call)"
     (failed,) = [r for r in _batch_lines(tmp_path) if r.get("failed")]
     assert failed["prompt_index"] == 1 and "empty replies" in failed["error"] and "thinking" not in failed["error"]
 
@@ -119,13 +119,14 @@ def test_every_dropped_reply_is_recorded_so_api_calls_add_up(tmp_path, model_ser
     proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     kept = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
-    reasons = [[d["reason"].split(":")[0] for d in t["metadata"]["dropped_replies"]] for t in kept]
+    dropped = [[line.split(": ", 1) for line in t["metadata"]["dropped_replies"].splitlines()] for t in kept]
+    reasons = [[reason.split(":")[0] for _call, reason in lines] for lines in dropped]
     assert reasons == [["called a tool it was not offered"], ["invalid JSON arguments for 'terminal'"] * 2,
                        ["no answer beyond thinking"], ["empty reply (no content, no tool call)"] * 2]
-    for row in kept:
+    for row, lines in zip(kept, dropped):
         gpt_turns = sum(1 for t in row["conversations"] if t["from"] == "gpt")
-        assert row["api_calls"] == gpt_turns + len(row["metadata"]["dropped_replies"])
-        assert [d["call"] for d in row["metadata"]["dropped_replies"]] == list(range(1, len(row["metadata"]["dropped_replies"]) + 1))
+        assert row["api_calls"] == gpt_turns + len(lines)
+        assert [call for call, _reason in lines] == [f"call {n}" for n in range(1, len(lines) + 1)]
         assert row["metadata"]["usage"]["requests"] == row["api_calls"]
         assert [t["from"] for t in row["conversations"]][:2] == ["system", "human"]
         assert {t["from"] for t in row["conversations"][2:]} <= {"gpt", "tool"}
@@ -161,7 +162,8 @@ def test_cost_from_usage_or_the_litellm_header_else_unknown(tmp_path, model_serv
     assert proc.returncode == 0, proc.stdout + proc.stderr
     usage = [t["metadata"]["usage"] for t in read_jsonl(_out(tmp_path) / "trajectories.jsonl")]
     assert [u["requests"] for u in usage] == [1, 1, 1]
-    assert [u["cost"] for u in usage] == [0.0001, 0.0042, None]
+    assert [u["cost"] for u in usage] == [0.0001, 0.0042, 0.0]
+    assert [u["unpriced_requests"] for u in usage] == [0, 0, 1]  # the last cost is unknown, not 0
 
 
 def _free_port() -> int:

@@ -46,7 +46,7 @@ def test_full_run_files_and_schema(tmp_path, model_server, remote_args):
         assert traj["toolsets_used"] == ["terminal", "file"]
         assert traj["metadata"]["model"] == "test-model"
         assert traj["metadata"]["id"] == row.get("id", "")  # always a string
-        assert traj["metadata"]["schema_version"] == 2 and isinstance(traj["metadata"]["seed"], int)
+        assert traj["metadata"]["schema_version"] == 3 and isinstance(traj["metadata"]["seed"], int)
     first = trajectories[0]
     tool_turn = next(t for t in first["conversations"] if t["from"] == "tool")["value"]
     response = json.loads(tool_turn.split("<tool_response>\n", 1)[1].split("\n</tool_response>")[0])
@@ -208,11 +208,12 @@ def test_agent_loop_edge_cases(tmp_path, model_server, remote_args):
     assert kept[0]["completed"] and kept[0]["tool_stats"]["terminal"]["count"] == 1
     assert kept[1]["partial"] and not kept[1]["completed"] and "no_such_tool" in kept[1]["metadata"]["stop_reason"]
     repaired = kept[2]["conversations"]
-    repair, summary = kept[2]["metadata"]["loop_notes"]  # the notes are not turns of the conversation
-    assert "not valid JSON" in repair["note"] and repair["after_turn"] == 1
-    assert "final answer" in summary["note"] and summary["after_turn"] == 1
+    repair, summary = kept[2]["metadata"]["loop_notes"].splitlines()  # the notes are not turns of the conversation
+    assert repair.startswith("after turn 1: ") and "not valid JSON" in repair
+    assert summary.startswith("after turn 1: ") and "final answer" in summary
     assert [t["from"] for t in repaired] == ["system", "human", "gpt"]  # the summary
-    assert [d["reason"][:12] for d in kept[2]["metadata"]["dropped_replies"]] == ["invalid JSON"] * 3
+    dropped = kept[2]["metadata"]["dropped_replies"].splitlines()
+    assert [line.split(": ", 1)[1][:12] for line in dropped] == ["invalid JSON"] * 3
     assert kept[3]["completed"] and kept[3]["api_calls"] == 2
     assert 4 not in kept
     (failed,) = [r for p in _files(tmp_path).glob("batch_*.jsonl") for r in read_jsonl(p) if r.get("failed")]
@@ -220,8 +221,8 @@ def test_agent_loop_edge_cases(tmp_path, model_server, remote_args):
     limited = kept[5]
     assert limited["api_calls"] == 3 and limited["completed"] is False
     assert [t["from"] for t in limited["conversations"]] == ["system", "human"] + ["gpt", "tool"] * 3 + ["gpt"]
-    (note,) = limited["metadata"]["loop_notes"]  # the summary request, after the last tool turn
-    assert note["after_turn"] == 7 and "final answer" in note["note"]
+    (note,) = limited["metadata"]["loop_notes"].splitlines()  # the summary request, after the last tool turn
+    assert note.startswith("after turn 7: ") and "final answer" in note
 
 
 def test_final_answer_on_last_permitted_call_is_completed(tmp_path, model_server, remote_args):

@@ -13,7 +13,8 @@ from runner.store import RunStore, batch_files, iter_lines
 def _record(key: str, index: int, outcome: str = "ok", cost: float | None = 0.5) -> dict:
     metadata = {"timestamp": "2026-01-01T10:00:00", "model": "m", "row_key": key, "run_id": "r1", "attempt": 1,
                 "duration_seconds": 1.0, "seed": 1,
-                "usage": {"requests": 2, "retries": 1, "prompt_tokens": 100, "cached_tokens": 40, "cost": cost}}
+                "usage": {"requests": 2, "retries": 1, "prompt_tokens": 100, "cached_tokens": 40, "cost": cost or 0.0,
+                          "unpriced_requests": 2 if cost is None else 0}}
     record = {"prompt_index": index}
     if outcome == "failed":
         record.update(failed=True, error="boom", error_class="provider", prompt="p", metadata=metadata)
@@ -154,7 +155,7 @@ def test_spend_is_kept_as_rows_commit_and_survives_a_resume(tmp_path):
     assert store.spent().as_dict()["requests"] == 6 and store.spent().as_dict()["cost"] == 1.5
     store.close()
     lines = [json.loads(line) for p in batch_files(tmp_path) for _, line in iter_lines(p)]
-    assert [line["metadata"]["schema_version"] for line in lines] == [2, 2, 2]
+    assert [line["metadata"]["schema_version"] for line in lines] == [3, 3, 3]
     for cached in (True, False):  # from checkpoint.json, and from the batch files alone
         if not cached:
             (tmp_path / "checkpoint.json").unlink()
