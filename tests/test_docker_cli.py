@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import REPO, read_jsonl, run_cli, write_jsonl
 from tests.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, NO_PASSWD_IMAGE, ready_client
+from tools.environments.images import list_containers
 
 pytestmark = pytest.mark.docker
 
@@ -23,7 +24,7 @@ def client():
 
 
 def _containers(client, run_name: str) -> list:
-    return client.containers.list(all=True, filters={"label": f"abr.run_name={run_name}"})
+    return list_containers(client, {"label": f"abr.run_name={run_name}"})  # while the runner removes some
 
 
 @pytest.fixture

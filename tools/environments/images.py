@@ -62,12 +62,24 @@ def prepare_images(
         return dict(zip(names, pool.map(check, names)))
 
 
+def list_containers(client: docker.DockerClient, filters: dict, attempts: int = 5) -> list:
+    """Containers matching `filters`. The SDK lists, then inspects each one; a container removed in
+    between (by its own cleanup, or another reaper) makes it raise NotFound: list again."""
+    for attempt in range(attempts):
+        try:
+            return client.containers.list(all=True, filters=filters)
+        except NotFound:
+            if attempt == attempts - 1:
+                raise
+    return []
+
+
 def reap_stale_containers(client: docker.DockerClient | None = None, log: Callable[[str], None] = print) -> int:
     """Remove our containers whose owner process on this host is gone; return how many."""
     client = client or docker.from_env()
     host = socket.gethostname()
     removed = 0
-    for container in client.containers.list(all=True, filters={"label": "abr.owner_pid"}):
+    for container in list_containers(client, {"label": "abr.owner_pid"}):
         labels = container.labels
         if labels.get("abr.owner_host") != host:
             continue  # another machine's container: its PID means nothing here
