@@ -81,9 +81,13 @@ class LlamaServer:
             "--host", "127.0.0.1", "--port", str(self.port),
             # Offers the request's tools to the model, but only when the request has tool_choice.
             "--chat_format", "chatml-function-calling",
+            # A small context bounds a runaway reply: the server ignores max_tokens when tools are
+            # offered, and one tool call once ran on for 6,900 tokens (6 minutes) until it hit the
+            # context (HTTP 400). 2048 holds the tool listing (about 1,300 tokens) and a reply.
+            "--n_ctx", "2048",
             # One thread: llama.cpp's OpenMP threads spin at their barriers, and on a busy machine
             # (2 cores shared by other work) two threads ran about twice as slow as one.
-            "--n_ctx", "8192", "--n_threads", "1",
+            "--n_threads", "1",
         ]  # fmt: skip
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
