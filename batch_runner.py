@@ -28,13 +28,12 @@ from typing import Any
 
 from runner.console import plural
 from runner.store import StorageError
-from toolset_distributions import DISTRIBUTIONS, format_distribution_catalogue
+from toolset_distributions import format_distribution_catalogue
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FATAL_PROVIDER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_BUDGET = 4  # stopped at the cost budget (--max_cost): committed rows are kept, resumable
 EXIT_STORAGE = 5  # the run directory cannot be written (disk full, ...): committed rows are safe
 FATAL_CLASSES = ("auth", "quota")
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _LOOPBACK = re.compile(r"^https?://(localhost|127\.\d+\.\d+\.\d+|\[::1\])(:\d+)?(/|$)")
 
 
@@ -42,130 +41,49 @@ class UsageError(Exception):
     """Bad input or configuration: one clear line, exit code 1."""
 
 
-def _as_list(value: Any, flag: str) -> list[str] | None:
-    """A comma list, whether fire passed a string, a number or a tuple."""
-    if value is None or value == "" or value is False:
-        return None
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    parts = [str(item).strip() for item in items]
-    parts = [p for p in parts if p]
-    if not parts:
-        raise UsageError(f"--{flag} is empty")
-    return parts
-
-
-def _positive_int(value: Any, flag: str, minimum: int = 1, required: bool = False) -> int | None:
-    if value is None:
-        if required:
-            raise UsageError(f"--{flag} is required")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UsageError(f"--{flag} must be an integer >= {minimum} (got {value!r})")
-    return value
-
-
-def _positive_float(value: Any, flag: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise UsageError(f"--{flag} must be a positive number (got {value!r})")
-    return float(value)
-
-
-def _optional(**values: Any) -> dict:
-    """Only the options the user gave, so the others keep their defaults."""
-    return {k: (v if isinstance(v, list) else str(v)) for k, v in values.items() if v is not None}
-
-
-def _run_name(value: Any) -> str:
-    if value is None or value == "" or value is True:
-        raise UsageError("--run_name is required")
-    name = str(value)
-    if not _RUN_NAME.match(name) or name in (".", ".."):
-        raise UsageError(
-            f"--run_name={name!r} is not allowed: use letters, digits, '.', '_' and '-' (it names a folder "
-            "inside the output directory and cannot leave it)"
-        )
-    return name
-
-
-def _reasoning(effort: Any, disabled: bool) -> dict | None:
-    from runner.config import REASONING_EFFORTS
-
-    if disabled:
-        print("🧠 Reasoning: DISABLED (effort=none)")
-        return {"effort": "none"}
-    if effort is None:
-        return None
-    if str(effort) not in REASONING_EFFORTS:
-        raise UsageError(f"--reasoning_effort must be one of: {', '.join(REASONING_EFFORTS)} (got {effort!r})")
-    print(f"🧠 Reasoning effort: {effort}")
-    return {"enabled": True, "effort": str(effort)}
-
-
-def _prefill(path: Any) -> list[dict]:
-    if not path:
-        return []
-    import json
-
-    try:
-        messages = json.loads(Path(str(path)).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise UsageError(f"cannot load --prefill_messages_file {path}: {err}") from None
-    if not isinstance(messages, list):
-        raise UsageError(f"{path}: prefill_messages_file must contain a JSON array of messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant") or not isinstance(
-            message.get("content"), str
-        ):
-            raise UsageError(f"{path}: message {i} must be an object with 'role' (system/user/assistant) and string 'content'")
-    print(f"💬 Loaded {len(messages)} prefill messages from {path}")
-    return messages
-
-
 def main(
     dataset_file: str = None,
     batch_size: int = None,
     run_name: str = None,
-    distribution: str = "default",
-    model: str = "anthropic/claude-sonnet-4.6",
+    distribution: str = None,
+    model: str = None,
     api_key: str = None,
-    base_url: str = "https://openrouter.ai/api/v1",
-    max_turns: int = 10,
-    num_workers: int = 4,
+    base_url: str = None,
+    max_turns: int = None,
+    num_workers: int = None,
     resume: bool = False,
-    verbose: bool = False,
+    verbose: bool = None,
     list_distributions: bool = False,
     ephemeral_system_prompt: str = None,
-    log_prefix_chars: int = 100,
+    log_prefix_chars: int = None,
     providers_allowed: str = None,
     providers_ignored: str = None,
     providers_order: str = None,
     provider_sort: str = None,
     max_tokens: int = None,
     reasoning_effort: str = None,
-    reasoning_disabled: bool = False,
+    reasoning_disabled: bool = None,
     prefill_messages_file: str = None,
     max_samples: int = None,
     # Options the original does not have.
-    tool_choice: str = "auto",
-    prompt_caching: str = "auto",
+    tool_choice: str = None,
+    prompt_caching: str = None,
     seed: int = None,
-    output_dir: str = "data",
-    skip_invalid: bool = False,
-    keep_no_reasoning: bool = False,
+    output_dir: str = None,
+    skip_invalid: bool = None,
+    keep_no_reasoning: bool = None,
     overwrite: bool = False,
     allow_config_change: bool = False,
     num_processes: int = None,
     prompt_timeout: float = None,
-    request_timeout: float = 600.0,
+    request_timeout: float = None,
     max_requests_per_minute: float = None,
-    grace_period: float = 30.0,
+    grace_period: float = None,
     terminal_env: str = None,
     docker_image: str = None,
     sandbox: str = None,
-    keep_workdirs: bool = False,
-    command_timeout: float = 180.0,
+    keep_workdirs: bool = None,
+    command_timeout: float = None,
     container_memory: str = None,
     container_cpus: float = None,
     container_network: str = None,
@@ -175,26 +93,50 @@ def main(
     web_search_backend: str = None,
     image_backend: str = None,
     image_model: str = None,
-    executor: str = "local",
+    executor: str = None,
     ray_address: str = None,
     sessions_per_node: int = None,
     report: bool = False,
-    report_samples: int = 500,
+    report_samples: int = None,
     price_input_per_mtok: float = None,
     price_output_per_mtok: float = None,
     price_cached_input_per_mtok: float = None,
     max_cost: float = None,
-    max_cost_hard: bool = False,
-    max_cost_scope: str = "run",
+    max_cost_hard: bool = None,
+    max_cost_scope: str = None,
 ):
-    """Run a JSONL dataset of prompts through the agent (see README.md for every flag)."""
+    """Run a JSONL dataset of prompts through the agent (see README.md for every flag).
+
+    A flag left out is None here: its default is defined once, on its field in runner/config.py
+    (RunConfig) or tools/settings.py (ToolSettings), which also check the values.
+    """
     if list_distributions:
         print(format_distribution_catalogue())
         raise SystemExit(EXIT_OK)
     try:
         if report:
             raise SystemExit(_report_only(output_dir, run_name, report_samples))
-        config = build_config(**{k: v for k, v in locals().items() if k not in ("list_distributions", "report")})
+        config = build_config(
+            dataset_file=dataset_file, batch_size=batch_size, run_name=run_name, distribution=distribution,
+            model=model, api_key=api_key, base_url=base_url, max_turns=max_turns, num_workers=num_workers,
+            verbose=verbose, ephemeral_system_prompt=ephemeral_system_prompt, log_prefix_chars=log_prefix_chars,
+            providers_allowed=providers_allowed, providers_ignored=providers_ignored, providers_order=providers_order,
+            provider_sort=provider_sort, max_tokens=max_tokens, reasoning_effort=reasoning_effort,
+            reasoning_disabled=reasoning_disabled, prefill_messages_file=prefill_messages_file,
+            max_samples=max_samples, tool_choice=tool_choice, prompt_caching=prompt_caching, seed=seed,
+            output_dir=output_dir, skip_invalid=skip_invalid, keep_no_reasoning=keep_no_reasoning,
+            num_processes=num_processes, prompt_timeout=prompt_timeout, request_timeout=request_timeout,
+            max_requests_per_minute=max_requests_per_minute, grace_period=grace_period, terminal_env=terminal_env,
+            docker_image=docker_image, sandbox=sandbox, keep_workdirs=keep_workdirs, command_timeout=command_timeout,
+            container_memory=container_memory, container_cpus=container_cpus, container_network=container_network,
+            vision_model=vision_model, moa_reference_models=moa_reference_models,
+            moa_aggregator_model=moa_aggregator_model, web_search_backend=web_search_backend,
+            image_backend=image_backend, image_model=image_model, executor=executor, ray_address=ray_address,
+            sessions_per_node=sessions_per_node, report_samples=report_samples,
+            price_input_per_mtok=price_input_per_mtok, price_output_per_mtok=price_output_per_mtok,
+            price_cached_input_per_mtok=price_cached_input_per_mtok, max_cost=max_cost, max_cost_hard=max_cost_hard,
+            max_cost_scope=max_cost_scope,
+        )
         code = BatchRunner(config, resume=bool(resume), overwrite=bool(overwrite),
                            allow_config_change=bool(allow_config_change)).run()
     except UsageError as err:
@@ -217,164 +159,158 @@ def main(
     raise SystemExit(code)
 
 
-def _report_only(output_dir: Any, run_name: Any, samples: Any) -> int:
+def _report_only(output_dir: Any, run_name: Any, report_samples: Any) -> int:
     """`--report --run_name=NAME`: (re)write report.html from the run's files, start nothing."""
+    from runner.config import ReportOptions
     from runner.report import write_report
 
-    run_dir = Path(str(output_dir or "data")) / _run_name(run_name)
+    options = _validated(ReportOptions, output_dir=output_dir, run_name=run_name or "", report_samples=report_samples)
+    run_dir = Path(options.output_dir) / options.run_name
     if not (run_dir / "config.json").exists():
         raise UsageError(f"{run_dir} holds no run (no config.json)")
-    path = write_report(run_dir, max_full_conversations=_positive_int(samples, "report_samples", minimum=0))
+    path = write_report(run_dir, max_full_conversations=options.report_samples)
     print(f"📄 Report written to {path}")
     return EXIT_OK
 
 
-def build_config(**flags: Any):
-    """Validate the flags into a RunConfig (raises UsageError with one clear line)."""
-    from runner import secrets
-    from runner.budget import cost_options as budget_options
-    from runner.config import PROMPT_CACHING, PROVIDER_SORTS, TOOL_CHOICES, RunConfig
-    from tools.environments import BACKENDS, backend_choices
+def _validated(schema, /, **values: Any):
+    """schema(**values) without the values left out (None: the field's default); UsageError when bad."""
+    from pydantic import ValidationError
+
+    from runner.config import flag_error
+
+    try:
+        return schema(**{name: value for name, value in values.items() if value is not None})
+    except ValidationError as err:
+        raise UsageError(flag_error(err, schema)) from None
+    except ValueError as err:  # a check outside pydantic (a comma list, the reasoning flags, ...)
+        raise UsageError(str(err)) from None
+
+
+def _as_list(value: Any, flag: str) -> list[str] | None:
+    """A comma list, whether fire passed a string, a number or a tuple."""
+    if value is None or value == "" or value is False:
+        return None
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    parts = [str(item).strip() for item in items]
+    parts = [p for p in parts if p]
+    if not parts:
+        raise UsageError(f"--{flag} is empty")
+    return parts
+
+
+def _prefill(path: Any) -> list[dict] | None:
+    if not path:
+        return None
+    import json
+
+    try:
+        messages = json.loads(Path(str(path)).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot load --prefill_messages_file {path}: {err}") from None
+    if not isinstance(messages, list):
+        raise UsageError(f"{path}: prefill_messages_file must contain a JSON array of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant") or not isinstance(
+            message.get("content"), str
+        ):
+            raise UsageError(f"{path}: message {i} must be an object with 'role' (system/user/assistant) and string 'content'")
+    print(f"💬 Loaded {len(messages)} prefill messages from {path}")
+    return messages
+
+
+# The flags ToolSettings holds (named like its fields); the other plain flags are RunConfig fields.
+TOOL_FLAGS = ("terminal_env", "docker_image", "sandbox", "keep_workdirs", "command_timeout", "container_memory",
+              "container_cpus", "container_network", "vision_model", "moa_reference_models", "moa_aggregator_model",
+              "web_search_backend", "image_backend", "image_model")
+
+
+def build_config(*, api_key=None, providers_allowed=None, providers_ignored=None, providers_order=None,
+                 provider_sort=None, reasoning_effort=None, reasoning_disabled=None, prefill_messages_file=None,
+                 price_input_per_mtok=None, price_output_per_mtok=None, price_cached_input_per_mtok=None,
+                 max_cost=None, max_cost_hard=None, max_cost_scope=None, **fields: Any):
+    """The flags as a validated RunConfig; a bad one raises UsageError with one clear line.
+
+    `fields` are the flags named like a field of RunConfig or ToolSettings (TOOL_FLAGS): the models
+    check them and default the ones left out (None). The flags named here become other fields.
+    """
+    from runner.budget import cost_options
+    from runner.config import RunConfig, provider_preferences, reasoning_request
     from tools.settings import ToolSettings
 
-    if not flags["dataset_file"] or flags["dataset_file"] is True:
-        raise UsageError("--dataset_file is required")
-    batch_size = _positive_int(flags["batch_size"], "batch_size", required=True)
-    run_name = _run_name(flags["run_name"])
-    distribution = str(flags["distribution"])
-    if distribution not in DISTRIBUTIONS:
-        raise UsageError(f"unknown --distribution={distribution!r}; available: {', '.join(sorted(DISTRIBUTIONS))}")
-    num_workers = _positive_int(flags["num_workers"], "num_workers")
-    max_turns = _positive_int(flags["max_turns"], "max_turns")
-    sort = flags["provider_sort"]
-    if sort is not None and str(sort) not in PROVIDER_SORTS:
-        raise UsageError(f"--provider_sort must be one of: {', '.join(PROVIDER_SORTS)} (got {sort!r})")
-    provider = {
-        key: value
-        for key, value in (
-            ("only", _as_list(flags["providers_allowed"], "providers_allowed")),
-            ("ignore", _as_list(flags["providers_ignored"], "providers_ignored")),
-            ("order", _as_list(flags["providers_order"], "providers_order")),
-            ("sort", None if sort is None else str(sort)),
-        )
-        if value
-    }
-    tool_choice = str(flags["tool_choice"] or "auto")
-    if tool_choice not in TOOL_CHOICES:
-        raise UsageError(f"--tool_choice must be one of: {', '.join(TOOL_CHOICES)} (got {flags['tool_choice']!r})")
-    prompt_caching = str(flags["prompt_caching"] or "auto")
-    if prompt_caching not in PROMPT_CACHING:
-        raise UsageError(f"--prompt_caching must be one of: {', '.join(PROMPT_CACHING)} (got {flags['prompt_caching']!r})")
-    model = str(flags["model"])
-    base_url = None if model == "mock" else (str(flags["base_url"]) if flags["base_url"] else None)
-    api_key = flags["api_key"]
-    if api_key in (None, "", True):  # the CLI took --api_key out of argv (runner/secrets.py)
-        api_key = secrets.get(secrets.API_KEY_FLAG) or secrets.get("OPENROUTER_API_KEY") or secrets.get("OPENAI_API_KEY")
-    api_key = None if api_key is None else str(api_key)
-    if model != "mock" and not api_key and not (base_url and _LOOPBACK.match(base_url)):
-        raise UsageError(
-            f"no API key for {base_url or 'the model endpoint'}: pass --api_key or set OPENROUTER_API_KEY "
-            "(or OPENAI_API_KEY); for an offline try-out use --model=mock"
-        )
-    terminal_env = str(flags["terminal_env"] or os.environ.get("TERMINAL_ENV") or "local")
-    if terminal_env not in BACKENDS:
-        raise UsageError(f"--terminal_env must be {backend_choices()} (got {terminal_env!r})")
-    sandbox = flags["sandbox"]
-    if sandbox not in (None, "none", "bwrap"):
-        raise UsageError(f"--sandbox must be 'bwrap' or 'none' (got {sandbox!r})")
-    if sandbox == "bwrap":
-        import shutil
-
-        if terminal_env != "local":
-            raise UsageError("--sandbox=bwrap applies to --terminal_env=local only")
-        if not shutil.which("bwrap") or not shutil.which("nsenter"):
-            raise UsageError("--sandbox=bwrap needs bubblewrap and nsenter: apt-get install bubblewrap util-linux")
-    seed = flags["seed"]
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise UsageError(f"--seed must be an integer (got {seed!r})")
-    max_samples = flags["max_samples"]
-    max_samples = None if max_samples in (None, 0) else _positive_int(max_samples, "max_samples")
-    output_dir = str(flags["output_dir"] or "data")
-    tools = ToolSettings(
-        terminal_env=terminal_env,
-        sandbox=None if sandbox in (None, "none") else sandbox,
-        keep_workdirs=bool(flags["keep_workdirs"]),
-        command_timeout=_positive_float(flags["command_timeout"], "command_timeout") or 180.0,
-        docker_image=flags["docker_image"],
-        container_memory=None if flags["container_memory"] is None else str(flags["container_memory"]),
-        container_cpus=_positive_float(flags["container_cpus"], "container_cpus"),
-        container_network=flags["container_network"],
-        run_name=run_name,
-        run_id=uuid.uuid4().hex[:12],
-        model=model,
-        base_url=base_url,
-        api_key=api_key,
-        vision_model=flags["vision_model"],
-        **_optional(
-            moa_reference_models=_as_list(flags["moa_reference_models"], "moa_reference_models"),
-            moa_aggregator_model=flags["moa_aggregator_model"],
-            web_search_backend=flags["web_search_backend"],
-            image_backend=flags["image_backend"],
-            image_model=flags["image_model"],
-        ),
-        searxng_url=os.environ.get("SEARXNG_URL"),
-        tavily_api_key=secrets.get("TAVILY_API_KEY"),
-        exa_api_key=secrets.get("EXA_API_KEY"),
-        brave_api_key=secrets.get("BRAVE_API_KEY"),
-        firecrawl_api_key=secrets.get("FIRECRAWL_API_KEY"),
-        fal_key=secrets.get("FAL_KEY"),
-        images_base_url=os.environ.get("IMAGES_BASE_URL"),
-        images_api_key=secrets.get("IMAGES_API_KEY"),
+    tool_flags = {name: fields.pop(name, None) for name in TOOL_FLAGS}
+    fields["ephemeral_system_prompt"] = fields.get("ephemeral_system_prompt") or None  # "" is none
+    config = _validated(
+        RunConfig, **fields, api_key=_api_key(api_key), prefill_messages_file=prefill_messages_file,
+        prefill_messages=_prefill(prefill_messages_file),
+        provider=_checked(provider_preferences, _as_list(providers_allowed, "providers_allowed"),
+                          _as_list(providers_ignored, "providers_ignored"), _as_list(providers_order, "providers_order"),
+                          provider_sort),
+        reasoning=_checked(reasoning_request, reasoning_effort, bool(reasoning_disabled)),
     )
-    ephemeral = flags["ephemeral_system_prompt"]
+    tool_flags["terminal_env"] = tool_flags["terminal_env"] or os.environ.get("TERMINAL_ENV")
+    tool_flags["moa_reference_models"] = _as_list(tool_flags["moa_reference_models"], "moa_reference_models")
+    config.tools = _validated(ToolSettings, **tool_flags, run_name=config.run_name, run_id=uuid.uuid4().hex[:12],
+                              model=config.model, **_tool_endpoints())
+    _require_api_key(config)
+    cost_flags = {"price_input_per_mtok": price_input_per_mtok, "price_output_per_mtok": price_output_per_mtok,
+                  "price_cached_input_per_mtok": price_cached_input_per_mtok, "max_cost": max_cost,
+                  "max_cost_hard": max_cost_hard, "max_cost_scope": max_cost_scope}
+    config = config.model_copy(update=_checked(cost_options, cost_flags, config.model, config.base_url))
+    _require_installed(config)
+    if config.reasoning:
+        effort = config.reasoning["effort"]
+        print("🧠 Reasoning: DISABLED (effort=none)" if effort == "none" else f"🧠 Reasoning effort: {effort}")
+    return config
+
+
+def _checked(function, *args):
+    """function(*args), its ValueError as a UsageError."""
     try:
-        cost_options = budget_options(flags, model, base_url)
+        return function(*args)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if flags["executor"] not in ("local", "ray"):
-        raise UsageError(f"--executor must be local or ray (got {flags['executor']!r})")
-    if flags["executor"] == "ray":
+
+
+def _api_key(flag: Any) -> str | None:
+    """--api_key (the CLI takes it out of argv first: runner/secrets.py), else the environment's."""
+    from runner import secrets
+
+    if flag in (None, "", True):
+        flag = secrets.get(secrets.API_KEY_FLAG) or secrets.get("OPENROUTER_API_KEY") or secrets.get("OPENAI_API_KEY")
+    return None if flag is None else str(flag)
+
+
+def _tool_endpoints() -> dict:
+    """The tool backends' endpoints and keys, from the environment."""
+    from runner import secrets
+
+    return {"searxng_url": os.environ.get("SEARXNG_URL"), "tavily_api_key": secrets.get("TAVILY_API_KEY"),
+            "exa_api_key": secrets.get("EXA_API_KEY"), "brave_api_key": secrets.get("BRAVE_API_KEY"),
+            "firecrawl_api_key": secrets.get("FIRECRAWL_API_KEY"), "fal_key": secrets.get("FAL_KEY"),
+            "images_base_url": os.environ.get("IMAGES_BASE_URL"), "images_api_key": secrets.get("IMAGES_API_KEY")}
+
+
+def _require_api_key(config) -> None:
+    """A remote model needs a key; a server on this machine (llama.cpp, a proxy) may not."""
+    if config.model != "mock" and not config.api_key and not (config.base_url and _LOOPBACK.match(config.base_url)):
+        raise UsageError(
+            f"no API key for {config.base_url or 'the model endpoint'}: pass --api_key or set OPENROUTER_API_KEY "
+            "(or OPENAI_API_KEY); for an offline try-out use --model=mock"
+        )
+
+
+def _require_installed(config) -> None:
+    """What the options need on this machine, checked before anything is written."""
+    import shutil
+
+    if config.tools.sandbox == "bwrap" and (not shutil.which("bwrap") or not shutil.which("nsenter")):
+        raise UsageError("--sandbox=bwrap needs bubblewrap and nsenter: apt-get install bubblewrap util-linux")
+    if config.executor == "ray":
         try:
-            import ray  # noqa: F401  (checked before anything is written)
+            import ray  # noqa: F401
         except ImportError:
             raise UsageError("--executor=ray needs Ray: pip install 'agent-batch-runner[ray]' (or pip install ray)") from None
-    return RunConfig(
-        dataset_file=str(flags["dataset_file"]),
-        run_name=run_name,
-        batch_size=batch_size,
-        output_dir=output_dir,
-        distribution=distribution,
-        model=model,
-        base_url=base_url,
-        api_key=api_key,
-        max_turns=max_turns,
-        num_workers=num_workers,
-        num_processes=_positive_int(flags["num_processes"], "num_processes"),
-        max_tokens=_positive_int(flags["max_tokens"], "max_tokens"),
-        reasoning=_reasoning(flags["reasoning_effort"], bool(flags["reasoning_disabled"])),
-        provider=provider or None,
-        tool_choice=tool_choice,
-        prompt_caching=prompt_caching,
-        ephemeral_system_prompt=None if ephemeral in (None, "") else str(ephemeral),
-        prefill_messages=_prefill(flags["prefill_messages_file"]),
-        prefill_messages_file=flags["prefill_messages_file"],
-        max_samples=max_samples,
-        seed=seed,
-        keep_no_reasoning=bool(flags["keep_no_reasoning"]),
-        skip_invalid=bool(flags["skip_invalid"]),
-        verbose=bool(flags["verbose"]),
-        log_prefix_chars=_positive_int(flags["log_prefix_chars"], "log_prefix_chars", minimum=0),
-        prompt_timeout=_positive_float(flags["prompt_timeout"], "prompt_timeout"),
-        request_timeout=_positive_float(flags["request_timeout"], "request_timeout") or 600.0,
-        max_requests_per_minute=_positive_float(flags["max_requests_per_minute"], "max_requests_per_minute"),
-        grace_period=float(flags["grace_period"]) if flags["grace_period"] is not None else 30.0,
-        executor=flags["executor"],
-        ray_address=None if flags["ray_address"] is None else str(flags["ray_address"]),
-        sessions_per_node=_positive_int(flags["sessions_per_node"], "sessions_per_node"),
-        report_samples=_positive_int(flags["report_samples"], "report_samples", minimum=0),
-        tools=tools,
-        **cost_options,
-    )
 
 
 def _count_lines(path: str, stop_at: int) -> int:

@@ -19,12 +19,23 @@ ORIGINAL = "The original's flags"
 NEW = "New flags"
 
 
+# The flag's default is its config field's (runner/config.py), where it is defined once.
+CONFIG = "<the config field's default>"
+
+
 @dataclass(frozen=True)
 class Flag:
     name: str
     group: str  # the README's flags table the flag is listed in
-    default: str  # as shown to the user ("" when there is none)
+    default: str  # as shown to the user ("" when there is none), or CONFIG
     help: str  # one line
+
+    def shown_default(self) -> str:
+        if self.default != CONFIG:
+            return self.default
+        from runner.config import flag_default  # (pydantic: only imported for --help)
+
+        return flag_default(self.name)
 
 
 def _flags(group: str, *rows: tuple[str, str, str]) -> list[Flag]:
@@ -36,17 +47,17 @@ FLAGS: list[Flag] = _flags(
     ("dataset_file", "required", "Input JSONL, one object with a 'prompt' per line."),
     ("batch_size", "required", "Rows per output file batch_N.jsonl (does not limit parallelism)."),
     ("run_name", "required", "Output folder <output_dir>/<run_name>/ (letters, digits, '.', '_', '-')."),
-    ("distribution", "default", "Toolset distribution (--list_distributions shows them)."),
-    ("model", "anthropic/claude-sonnet-4.6", "Model id; 'mock' is the built-in offline model."),
+    ("distribution", CONFIG, "Toolset distribution (--list_distributions shows them)."),
+    ("model", CONFIG, "Model id; 'mock' is the built-in offline model."),
     ("api_key", "$OPENROUTER_API_KEY or $OPENAI_API_KEY", "API key of the model endpoint (the variable is safer: flags show in ps)."),
-    ("base_url", "https://openrouter.ai/api/v1", "OpenAI-compatible endpoint."),
-    ("max_turns", "10", "Model calls per prompt (the agent's iteration limit)."),
-    ("num_workers", "4", "Concurrent agent sessions."),
+    ("base_url", CONFIG, "OpenAI-compatible endpoint."),
+    ("max_turns", CONFIG, "Model calls per prompt (the agent's iteration limit)."),
+    ("num_workers", CONFIG, "Concurrent agent sessions."),
     ("resume", "off", "Continue the run: skip committed rows, retry failed ones."),
     ("verbose", "off", "Per-prompt logs (sampled toolsets, outcomes, tracebacks)."),
     ("list_distributions", "", "Print the toolset distributions and exit."),
     ("ephemeral_system_prompt", "", "Added to the system prompt at call time only; never saved."),
-    ("log_prefix_chars", "100", "Length of the prompt preview in --verbose per-prompt lines."),
+    ("log_prefix_chars", CONFIG, "Length of the prompt preview in --verbose per-prompt lines."),
     ("providers_allowed", "", "Comma list: OpenRouter provider.only."),
     ("providers_ignored", "", "Comma list: OpenRouter provider.ignore."),
     ("providers_order", "", "Comma list: OpenRouter provider.order."),
@@ -58,45 +69,45 @@ FLAGS: list[Flag] = _flags(
     ("max_samples", "all", "Only the first N valid rows."),
 ) + _flags(
     NEW,
-    ("tool_choice", "auto", "auto, required or none: tool_choice sent with every request that offers tools."),
-    ("prompt_caching", "auto", "cache_control breakpoints: auto (Claude models on OpenRouter), on or off."),
+    ("tool_choice", CONFIG, "auto, required or none: tool_choice sent with every request that offers tools."),
+    ("prompt_caching", CONFIG, "cache_control breakpoints: auto (Claude models on OpenRouter), on or off."),
     ("seed", "drawn", "Reproducible toolset sampling (each row's sample depends on the seed and the row); "
                       "without it one is drawn for the run and recorded in config.json."),
-    ("output_dir", "data", "Parent of the run folder."),
+    ("output_dir", CONFIG, "Parent of the run folder."),
     ("skip_invalid", "off", "Run the valid rows of a dataset that has invalid lines."),
     ("keep_no_reasoning", "off", "Keep rows whose model never reasoned."),
     ("overwrite", "off", "Delete the run's earlier outputs and start again."),
     ("allow_config_change", "off", "Let --resume continue with a changed configuration."),
     ("num_processes", "CPU count", "Worker processes the sessions are spread over."),
     ("prompt_timeout", "none", "Wall-clock limit of one prompt, seconds (the row fails as timeout)."),
-    ("request_timeout", "600", "Limit of one model request, seconds (then retried)."),
+    ("request_timeout", CONFIG, "Limit of one model request, seconds (then retried)."),
     ("max_requests_per_minute", "none", "Pace model requests for the whole run."),
-    ("grace_period", "30", "After the first Ctrl-C, seconds in-flight prompts may take to finish."),
+    ("grace_period", CONFIG, "After the first Ctrl-C, seconds in-flight prompts may take to finish."),
     ("terminal_env", "$TERMINAL_ENV or local", f"Where commands run: {backend_choices()}."),
     ("docker_image", "", "Image for rows that name none (--terminal_env=docker)."),
     ("sandbox", "", "bwrap: run local commands under bubblewrap."),
     ("keep_workdirs", "off", "Keep the per-prompt working directories (local backend)."),
-    ("command_timeout", "180", "Default timeout of one terminal command, seconds."),
+    ("command_timeout", CONFIG, "Default timeout of one terminal command, seconds."),
     ("container_memory", "none", "Memory limit of each container (e.g. 2g)."),
     ("container_cpus", "none", "CPU limit of each container."),
     ("container_network", "no network", "Network of each container (e.g. bridge)."),
     ("vision_model", "the run's model", "Model used by vision_analyze and browser_vision."),
     ("moa_reference_models", "four frontier models", "Comma list: reference models of mixture_of_agents."),
-    ("moa_aggregator_model", "anthropic/claude-sonnet-4.6", "Aggregator model of mixture_of_agents."),
+    ("moa_aggregator_model", CONFIG, "Aggregator model of mixture_of_agents."),
     ("web_search_backend", "first configured", "searxng, tavily, exa, brave or firecrawl."),
     ("image_backend", "first configured", "fal or openai."),
     ("image_model", "backend default", "Model of the image backend."),
-    ("executor", "local", "local (process pool) or ray."),
+    ("executor", CONFIG, "local (process pool) or ray."),
     ("ray_address", "", "Ray cluster address (auto)."),
     ("sessions_per_node", "", "Sessions per Ray node."),
     ("report", "", "With --run_name: rewrite report.html from the run's files and exit."),
-    ("report_samples", "500", "Full conversations embedded in report.html."),
+    ("report_samples", CONFIG, "Full conversations embedded in report.html."),
     ("price_input_per_mtok", "", "USD per million input tokens, for replies whose endpoint reports no cost."),
     ("price_output_per_mtok", "", "USD per million output tokens (with --price_input_per_mtok)."),
     ("price_cached_input_per_mtok", "the input price", "USD per million cached input tokens."),
     ("max_cost", "none", "Budget in USD: no new row starts once spend (+ rows in flight) reaches it; exit 4."),
     ("max_cost_hard", "off", "At the budget, cancel the rows in flight instead of letting them finish."),
-    ("max_cost_scope", "run", "run: earlier invocations' spend counts against --max_cost; invocation: only this one."),
+    ("max_cost_scope", CONFIG, "run: earlier invocations' spend counts against --max_cost; invocation: only this one."),
 )
 FLAG_NAMES = [flag.name for flag in FLAGS]
 
@@ -120,10 +131,11 @@ def format_help() -> str:
         lines.append(f"\n{group}:")
         for flag in FLAGS:
             if flag.group == group:
-                if flag.default == "required":
+                shown = flag.shown_default()
+                if shown == "required":
                     lines.append(f"  --{flag.name:<{width}}Required. {flag.help}")
                 else:
-                    default = f" [default: {flag.default}]" if flag.default else ""
+                    default = f" [default: {shown}]" if shown else ""
                     lines.append(f"  --{flag.name:<{width}}{flag.help}{default}")
     return "\n".join(lines)
 

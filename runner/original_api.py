@@ -44,8 +44,8 @@ def config_from_original(keywords: dict[str, Any]):
     """A RunConfig from the original constructor's keywords (plus any of our flags)."""
     import batch_runner
 
-    cli_defaults = {name: p.default for name, p in inspect.signature(batch_runner.main).parameters.items()}
-    unknown = sorted(set(keywords) - set(ORIGINAL_DEFAULTS) - (set(cli_defaults) - _NOT_CONSTRUCTOR))
+    cli_flags = set(inspect.signature(batch_runner.main).parameters)
+    unknown = sorted(set(keywords) - set(ORIGINAL_DEFAULTS) - (cli_flags - _NOT_CONSTRUCTOR))
     if unknown:
         raise TypeError(f"BatchRunner() got unexpected keyword argument(s): {', '.join(unknown)}")
     given = {**ORIGINAL_DEFAULTS, **keywords}
@@ -60,11 +60,8 @@ def config_from_original(keywords: dict[str, Any]):
         for m in prefill
     ):
         raise batch_runner.UsageError("prefill_messages must be a list of {'role', 'content'} dicts")
-    flags = {name: value for name, value in cli_defaults.items() if name not in _NOT_CONSTRUCTOR}
-    flags["max_turns"] = given.pop("max_iterations")
-    if given["base_url"] is None:  # the original then used the OpenRouter endpoint too
-        given["base_url"] = cli_defaults["base_url"]
-    flags.update(given)
+    # A flag the script leaves out (or gives as None, like the original's base_url) keeps the CLI's default.
+    flags = {"max_turns": given.pop("max_iterations"), **given}
     config = batch_runner.build_config(**flags)
     config.reasoning = reasoning
     config.prefill_messages = prefill

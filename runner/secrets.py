@@ -68,7 +68,7 @@ def _escaped(text: str, ascii_only: bool) -> str:
 def register_config(config) -> None:
     """Every secret field of a RunConfig (the model key and the tool backends' keys)."""
     tools = config.tools
-    register(config.api_key, tools.api_key, tools.tavily_api_key, tools.exa_api_key, tools.brave_api_key,
+    register(config.api_key, tools.tavily_api_key, tools.exa_api_key, tools.brave_api_key,
              tools.firecrawl_api_key, tools.fal_key, tools.images_api_key)
 
 

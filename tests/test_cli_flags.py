@@ -96,8 +96,21 @@ def test_flag_table_is_main_signature_and_readme():
     for flag in FLAGS:
         section = original if flag.group == ORIGINAL else new
         assert re.search(rf"`--{flag.name}`", section), f"--{flag.name} missing from the README's {flag.group!r} table"
-    shown = {flag.name: flag.default for flag in FLAGS}
+
+
+def test_each_default_is_defined_once_on_its_config_field():
+    """main() leaves every option None (not given): the config models hold the defaults, which
+    --help shows; a flag whose help names a default without a field default would be a second one."""
+    from runner.config import RunConfig, flag_default
+    from runner.flags import CONFIG
+
+    switches = {"resume", "list_distributions", "report", "overwrite", "allow_config_change"}
     for name, param in inspect.signature(batch_runner.main).parameters.items():
-        value = param.default
-        if value is not None and not isinstance(value, bool):
-            assert shown[name] == (f"{value:g}" if isinstance(value, float) else str(value)), name
+        assert param.default is (False if name in switches else None), name
+    for flag in FLAGS:
+        if flag.default == CONFIG:
+            assert flag_default(flag.name) not in (None, "None", ""), flag.name
+    assert flag_default("command_timeout") == "180" and flag_default("request_timeout") == "600"
+    config = batch_runner.build_config(dataset_file="d.jsonl", batch_size=1, run_name="r", model="mock")
+    assert config.model_dump(exclude={"tools"}) == RunConfig(dataset_file="d.jsonl", batch_size=1, run_name="r",
+                                                             model="mock").model_dump(exclude={"tools"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 from runner.config import RunConfig, diff_fingerprints
 from runner.dataset import iter_rows, scan_dataset
 from tests.conftest import write_jsonl
+from tools.settings import ToolSettings
 
 
 def test_row_keys_distinguish_duplicates_and_survive_reordering(tmp_path):
@@ -50,6 +51,7 @@ def test_fingerprint_changes_with_output_affecting_options_only():
 
 
 def test_public_config_has_no_secret():
-    config = _config(api_key="sk-secret")
-    config.tools.api_key = "sk-secret"
-    assert "sk-secret" not in str(config.public_dict())
+    config = _config(api_key="sk-secret", tools=ToolSettings(brave_api_key="sk-brave"))
+    assert "sk-secret" not in str(config.public_dict()) and "sk-brave" not in str(config.public_dict())
+    # The model endpoint's key lives on the RunConfig only: the tools reach the model through ctx.model.
+    assert "api_key" not in ToolSettings.model_fields and "base_url" not in ToolSettings.model_fields

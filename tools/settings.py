@@ -1,35 +1,44 @@
 """Run-wide tool configuration, shared by every session of a run.
 
 Filled once by the CLI (flags, then environment variables) and sent to the worker processes.
-Secrets are SecretStr: they never appear in config.json, logs or trajectories.
+The flags' checks are the fields' constraints (runner/config.py turns a failed one into the CLI's
+one-line error). Secrets are SecretStr: they never appear in config.json, logs or trajectories.
+The model endpoint's key is not here: tools that call a model (vision, moa, browser_vision) do so
+through the session's model client (`ToolContext.model`), which holds it.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, SecretStr
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictFloat, field_validator, model_validator
+
+# Defaults that the environment backends share with these settings (defined here only).
+COMMAND_TIMEOUT = 180.0  # default timeout of one terminal command, seconds
+MAX_OUTPUT_CHARS = 50_000  # tool output above this is truncated (head and tail kept)
 
 
 class ToolSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt option is an error, not ignored
+
     # Where terminal and file tools run.
     terminal_env: str = "local"  # a name in tools.environments.BACKENDS: local | docker | singularity | modal
-    sandbox: str | None = None  # local only: "bwrap" runs each command under bubblewrap
+    sandbox: Literal["bwrap"] | None = None  # local only: "bwrap" runs each command under bubblewrap
     keep_workdirs: bool = False
     workdir_root: str | None = None  # local: parent of the per-prompt working directories
-    command_timeout: float = 180.0  # default timeout of one terminal command, seconds
-    max_output_chars: int = 50_000  # tool output above this is truncated (head and tail kept)
+    command_timeout: StrictFloat = Field(default=COMMAND_TIMEOUT, gt=0)
+    max_output_chars: int = MAX_OUTPUT_CHARS
 
     # Container backends.
     docker_image: str | None = None  # default image for rows that name none
     container_memory: str | None = None  # e.g. "2g"
-    container_cpus: float | None = None
+    container_cpus: StrictFloat | None = Field(default=None, gt=0)
     container_network: str | None = None  # None: no network
     run_name: str = ""
     run_id: str = ""  # unique per invocation; labels containers and task ids
 
-    # Model endpoint used by tools that call a model (vision, moa, browser_vision).
+    # The run's model: the default of the tools that call a model (vision, moa, browser_vision).
     model: str = "mock"
-    base_url: str | None = None
-    api_key: SecretStr | None = Field(default=None, exclude=True)
     vision_model: str | None = None  # default: the run's model
     moa_reference_models: list[str] = Field(
         default_factory=lambda: [
@@ -59,3 +68,27 @@ class ToolSettings(BaseModel):
     # Browser.
     browser_executable: str | None = "/usr/bin/chromium"
     browser_timeout: float = 30.0
+
+    @field_validator("terminal_env")
+    @classmethod
+    def _known_terminal_env(cls, value: str) -> str:
+        from tools.environments import BACKENDS, backend_choices  # (the registry: no backend is imported)
+
+        if value not in BACKENDS:
+            raise ValueError(f"--terminal_env must be {backend_choices()} (got {value!r})")
+        return value
+
+    @field_validator("sandbox", mode="before")
+    @classmethod
+    def _sandbox_none(cls, value):
+        if value == "none":  # --sandbox=none: the default, said out loud
+            return None
+        if value not in (None, "bwrap"):
+            raise ValueError(f"--sandbox must be 'bwrap' or 'none' (got {value!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _sandbox_is_local(self):
+        if self.sandbox == "bwrap" and self.terminal_env != "local":
+            raise ValueError("--sandbox=bwrap applies to --terminal_env=local only")
+        return self

@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field
 
 from .base import (EXEC_MARK, Backend, ExecResult, OutputCapture, SandboxError, container_image,
                    kill_marked_processes_script, truncate_output)
+from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,8 @@ class DockerConfig(BaseModel):
     cpus: float | None = None
     network: str | None = None  # None: no network at all; else a Docker network mode or name
     labels: dict[str, str] = Field(default_factory=dict)  # e.g. abr.run_name, abr.run_id
-    max_output_chars: int = 50_000
-    command_timeout: float = 180.0
+    max_output_chars: int = MAX_OUTPUT_CHARS
+    command_timeout: float = COMMAND_TIMEOUT
 
 
 class DockerEnvironment(Backend):

@@ -26,6 +26,7 @@ import uuid
 from pydantic import BaseModel
 
 from tools.environments.base import Backend, ExecResult, OutputCapture, SandboxError, quote, truncate_output
+from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
 
 BWRAP_MISSING = "--sandbox=bwrap needs bubblewrap: apt-get install bubblewrap"
 # Variables that look like credentials never reach commands: a model that runs `env` would
@@ -45,8 +46,8 @@ class LocalConfig(BaseModel):
     cwd: str | None = None  # the row's own working directory: used as is and never deleted
     keep_workdir: bool = False
     sandbox: str | None = None  # "bwrap" or None
-    max_output_chars: int = 50_000
-    command_timeout: float = 180
+    max_output_chars: int = MAX_OUTPUT_CHARS
+    command_timeout: float = COMMAND_TIMEOUT
 
 
 class LocalEnvironment(Backend):

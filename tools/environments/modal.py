@@ -21,6 +21,7 @@ import time
 from pydantic import BaseModel
 
 from .base import Backend, ExecResult, SandboxError, container_image, truncate_output
+from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
 
 DEFAULT_CWD = "/workspace"
 KEEP_ALIVE = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done"
@@ -57,8 +58,8 @@ class ModalConfig(BaseModel):
     network: str | None = None  # None: block_network=True; any value: network allowed
     app_name: str = "agent-batch-runner"
     sandbox_lifetime: int = 3600  # seconds before Modal ends the sandbox (its `timeout`)
-    max_output_chars: int = 50_000
-    command_timeout: float = 180.0
+    max_output_chars: int = MAX_OUTPUT_CHARS
+    command_timeout: float = COMMAND_TIMEOUT
 
 
 class ModalEnvironment(Backend):

@@ -31,6 +31,7 @@ from pydantic import BaseModel
 
 from .base import (EXEC_MARK, Backend, ExecResult, OutputCapture, SandboxError, container_image,
                    kill_marked_processes_script, truncate_output)
+from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
 
 DEFAULT_CWD = "/workspace"
 
@@ -83,8 +84,8 @@ class SingularityConfig(BaseModel):
     cpus: float | None = None
     network: str | None = None  # None: no network; "host": share the host's
     executable: str | None = None  # None: apptainer, else singularity, whichever is on PATH
-    max_output_chars: int = 50_000
-    command_timeout: float = 180.0
+    max_output_chars: int = MAX_OUTPUT_CHARS
+    command_timeout: float = COMMAND_TIMEOUT
 
 
 class SingularityEnvironment(Backend):
