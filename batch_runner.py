@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.console import plural
+from runner.executors import Executor
 from runner.store import StorageError
 from toolset_distributions import format_distribution_catalogue
 
@@ -426,7 +427,7 @@ class BatchRunner:
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
 
-    def _make_executor(self, unavailable: dict[str, str]):
+    def _make_executor(self, unavailable: dict[str, str]) -> Executor:
         config = self.config
         if config.executor == "ray":
             from runner.ray_executor import RayExecutor
@@ -804,7 +805,7 @@ class BatchRunner:
                     monitor.on_abandoned()
                     break
                 records = immediate + (executor.poll(0.2) if executor.in_flight() else [])
-                if getattr(executor, "stop_reason", None) and not self.stopping:
+                if executor.stop_reason and not self.stopping:
                     self.stopping, self.stop_message = "workers", executor.stop_reason
                     self.log(f"⛔ {self.stop_message}: no new prompts will be started.")
                 if records:

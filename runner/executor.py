@@ -64,6 +64,8 @@ def lost_row_record(task: dict, config: RunConfig, error: str, error_class: str 
 
 
 class ProcessExecutor:
+    """An Executor (runner/executors.py) on a pool of worker processes on this machine."""
+
     CRASH_LOOP_DEATHS = 5  # deaths of one worker slot ...
     CRASH_LOOP_WINDOW = 60.0  # ... within this many seconds stop the run instead of spinning
     DRAIN_LIMIT = 2000  # messages read from one worker per poll, so one busy worker cannot starve the rest

@@ -154,7 +154,7 @@ class _Actor:
 
 
 class RayExecutor:
-    """The ProcessExecutor interface, on a Ray cluster (see the module docstring)."""
+    """An Executor (runner/executors.py) on a Ray cluster (see the module docstring)."""
 
     MAX_RESTARTS = 5  # per node: actors that may die on a node that is still alive
     MAX_DELIVERIES = 3  # times a row is sent to a worker that then dies, before it is failed
@@ -184,6 +184,7 @@ class RayExecutor:
         self._last_refresh = 0.0
         self._no_actor_since: float | None = None
         self.last_start_error: str | None = None
+        self.stop_reason: str | None = None  # never set: a lost node's rows are re-sent or failed, the run goes on
         self._closed = False
         self._owns_connection = False
         self._connect()
