@@ -763,7 +763,7 @@ class BatchRunner:
 
     def _execute(self, scan, store, executor, remaining: int) -> int:
         from runner.console import progress
-        from runner.executor import lost_row_record
+        from runner.worker import failed_record
 
         config = self.config
         monitor = self._monitor
@@ -786,7 +786,7 @@ class BatchRunner:
                     if task is None:
                         exhausted = True
                     elif task["image_error"]:
-                        immediate.append(lost_row_record(task, config, f"environment: {task['image_error']}", "environment"))
+                        immediate.append(failed_record(task, config, f"environment: {task['image_error']}", "environment"))
                     else:
                         executor.submit(task)
                         monitor.on_start(task)

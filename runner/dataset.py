@@ -45,7 +45,6 @@ class DatasetRow(BaseModel):
 @dataclass(frozen=True)
 class Row:
     index: int  # 0-based position among the valid rows (the original's prompt_index)
-    line_no: int  # 1-based line number in the file
     key: str
     prompt: str
     image: str | None
@@ -199,12 +198,11 @@ def iter_rows(
 ) -> Iterator[Row]:
     """The valid rows in file order (invalid lines are left out: scan_dataset reported them)."""
     index = 0
-    for line_no, _raw, row, _error, key in _walk(Path(path), max_samples, require_image, sandboxed):
+    for _line_no, _raw, row, _error, key in _walk(Path(path), max_samples, require_image, sandboxed):
         if row is None:
             continue
         yield Row(
             index=index,
-            line_no=line_no,
             key=key,
             prompt=row.prompt,
             image=row.image or row.docker_image,

@@ -58,11 +58,6 @@ class DeathWindow:
         return len(self.deaths) >= self.limit
 
 
-def lost_row_record(task: dict, config: RunConfig, error: str, error_class: str = "agent") -> dict:
-    """The failed record of a row that got no answer (its worker vanished, or it never started)."""
-    return failed_record(task, config, error, error_class)
-
-
 class ProcessExecutor:
     """An Executor (runner/executors.py) on a pool of worker processes on this machine."""
 
@@ -164,7 +159,7 @@ class ProcessExecutor:
             code = worker.process.exitcode
             tasks = list(worker.in_flight.values())
             for task in tasks:
-                lost.append(lost_row_record(task, self.config, f"worker process died (exit code {code})"))
+                lost.append(failed_record(task, self.config, f"worker process died (exit code {code})", "agent"))
             worker.in_flight.clear()
             worker.conn.close()
             _clean_after_worker(self.config, tasks, self.log)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import RunConfig
-from runner.executor import lost_row_record
+from runner.worker import failed_record
 
 RAY_MISSING = "--executor=ray needs Ray: pip install 'agent-batch-runner[ray]' (or pip install ray)"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +90,7 @@ class NodeWorker:
         try:
             error = await self._image_error(task)
             if error:
-                record = lost_row_record(task, self.config, f"environment: {error}", "environment")
+                record = failed_record(task, self.config, f"environment: {error}", "environment")
             else:
                 record = await process_row(task, self._runtime())
         finally:
@@ -340,7 +340,7 @@ class RayExecutor:
             self._lose_actor(actor, err, [task])
         except ray.exceptions.RayTaskError as err:  # our actor code raised: a bug, not a lost node
             detail = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-            self.ready_records.append(lost_row_record(task, self.config, f"Ray worker error: {detail}", "agent"))
+            self.ready_records.append(failed_record(task, self.config, f"Ray worker error: {detail}", "agent"))
         except ray.exceptions.RayError as err:  # the result was lost on the way (object lost, worker crash)
             self._requeue(task, err)
         else:
@@ -354,9 +354,9 @@ class RayExecutor:
         key = task["key"]
         self.deliveries[key] = self.deliveries.get(key, 0) + 1
         if self.deliveries[key] >= self.MAX_DELIVERIES:
-            self.ready_records.append(lost_row_record(
+            self.ready_records.append(failed_record(
                 task, self.config,
-                f"the Ray worker running this row died {self.deliveries[key]} times (last: {_reason(err)})",
+                f"the Ray worker running this row died {self.deliveries[key]} times (last: {_reason(err)})", "agent",
             ))
         else:
             self.backlog.append(task)
@@ -455,8 +455,8 @@ class RayExecutor:
                 self.log(f"⚠️  Ray: no worker is left; waiting up to {self.NO_NODE_GRACE:g}s for a node to join")
         elif self.backlog and now - self._no_actor_since > self.NO_NODE_GRACE:
             while self.backlog:
-                self.ready_records.append(lost_row_record(
-                    self.backlog.popleft(), self.config, "no Ray node was left to run this row"))
+                self.ready_records.append(failed_record(
+                    self.backlog.popleft(), self.config, "no Ray node was left to run this row", "agent"))
 
     # --- stopping ---------------------------------------------------------------------------
 
