@@ -116,3 +116,109 @@ def test_two_runners_that_both_find_a_stale_lock_never_both_run(model_server, tm
     loser = next(console for code, console in results if code == 1)
     assert "in use by another batch_runner" in loser
     assert _paid_rows(model_server, 6) == [1] * 6
+
+
+def test_deleting_the_lock_file_of_a_live_run_does_not_let_a_second_runner_in(model_server, tmp_path):
+    """The kernel lock is on the run directory: a deleted .lock is a lost record, not a lost lock."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows(8, latency=2.0))
+    run_dir = tmp_path / "data" / "r"
+    cmd = [sys.executable, str(REPO / "batch_runner.py"), *_args(dataset, model_server, "--resume")]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (run_dir / "config.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (run_dir / ".lock").unlink()
+    second = run_cli(_args(dataset, model_server, "--resume"), tmp_path)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert "in use by another batch_runner" in second.stderr
+    assert _paid_rows(model_server, 8) == [1] * 8  # every row paid exactly once
+    # The holder wrote its record again (then released it).
+    assert json.loads((run_dir / ".lock").read_text())["held"] is False
+
+
+def test_the_holder_recreates_a_deleted_lock_record(tmp_path):
+    from runner.lock import RunLock
+
+    lock = RunLock(tmp_path, refresh=0.1)
+    lock.acquire(log=lambda s: None)
+    try:
+        (tmp_path / ".lock").unlink()
+        time.sleep(0.5)
+        record = json.loads((tmp_path / ".lock").read_text())
+        assert record["held"] is True and record["pid"] == os.getpid()
+    finally:
+        lock.release()
+
+
+def _write_raw_record(run_dir, text: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ".lock").write_text(text)
+
+
+def _other_host_record(**fields) -> str:
+    record = {"held": True, "host": "other-host", "boot_id": "another-boot", "pid": 4242,
+              "refreshed_at": time.time(), "lease_seconds": 60, **fields}
+    return json.dumps(record)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("text, says", [
+    (_other_host_record(refreshed_at="abc"), "is not a time"),
+    (_other_host_record(refreshed_at=None), "is not a time"),
+    (_other_host_record(refreshed_at=True), "is not a time"),
+    ('{"held": true, "host": "other-host", "pid": 4242, "refreshed_at": NaN}', "is not a time"),
+    ('{"held": true, "host": "other-host", "pid": 4242, "refreshed_at": Infinity}', "is not a time"),
+    ("[1]", "cannot be read (a JSON list, not an object)"),
+    (_other_host_record()[:40], "cannot be read (not complete JSON)"),
+    (_other_host_record(refreshed_at=time.time() + 3 * 3600), "not refreshed for"),  # hours in the future
+])
+def test_a_bad_lock_record_is_taken_over_with_a_line_saying_so(tmp_path, text, says):
+    from runner.lock import RunLock
+
+    _write_raw_record(tmp_path, text)
+    lines: list[str] = []
+    lock = RunLock(tmp_path)
+    lock.acquire(log=lines.append)
+    try:
+        assert len(lines) == 1 and says in lines[0], lines
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    finally:
+        lock.release()
+
+
+def test_a_refresh_time_slightly_in_the_future_is_honoured_only_within_the_lease(tmp_path):
+    from runner.lock import RunLock, RunLockBusy
+
+    _write_raw_record(tmp_path, _other_host_record(refreshed_at=time.time() + 10))  # a clock 10 s ahead
+    with pytest.raises(RunLockBusy, match="refreshed 10s ago"):
+        RunLock(tmp_path).acquire(log=lambda s: None)
+
+
+def test_a_record_of_this_kernel_under_another_host_name_is_decided_by_the_kernel_lock(tmp_path):
+    """A container re-created on the same machine has a new host name but the same boot id."""
+    from runner.lock import RunLock, machine_id
+
+    _, boot_id = machine_id()
+    assert boot_id, "this test needs /proc/sys/kernel/random/boot_id"
+    _write_raw_record(tmp_path, _other_host_record(host="old-container", boot_id=boot_id))
+    lines: list[str] = []
+    lock = RunLock(tmp_path)
+    lock.acquire(log=lines.append)
+    try:
+        assert lines and "Taking over the lock of a runner that is gone (PID 4242" in lines[0]
+    finally:
+        lock.release()
+
+
+def test_a_lock_record_that_is_no_time_does_not_block_the_cli(model_server, tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows(2))
+    _write_raw_record(tmp_path / "data" / "r", _other_host_record(refreshed_at="abc"))
+    proc = run_cli(_args(dataset, model_server), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Fatal error" not in proc.stderr
+    assert "its refresh time 'abc' is not a time" in proc.stdout
