@@ -380,6 +380,7 @@ class BatchRunner:
 
         config = self.config
         register_config(config)  # every key is redacted from records and console lines
+        self._refuse_dataset_among_outputs()
         config.tool_schema_version = tool_schema_version()
         self._settle_seed()  # before the workers start: they sample with it
         unavailable = unavailable_tools(config.tools)
@@ -426,6 +427,15 @@ class BatchRunner:
             executor.shutdown(abandon=True)
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
+
+    def _refuse_dataset_among_outputs(self) -> None:
+        from runner.store import is_own_file_of
+
+        if is_own_file_of(self.run_dir, self.config.dataset_file):
+            raise UsageError(
+                f"{self.config.dataset_file}: the dataset is one of the files the runner writes in its run "
+                f"directory {self.run_dir}; the run would overwrite it. Move or rename it, or choose another --run_name"
+            )
 
     def _make_executor(self, unavailable: dict[str, str]) -> Executor:
         config = self.config

@@ -109,9 +109,23 @@ _OWN_FILE = re.compile(
 )
 
 
+def is_own_name(name: str) -> bool:
+    """A file name the runner writes (or appends to) in a run directory."""
+    return name in OWN_FILES or bool(_OWN_FILE.match(name))
+
+
 def own_files(run_dir: Path) -> list[Path]:
     """The files of the run directory the runner itself wrote (never the user's own files)."""
-    return [p for p in run_dir.iterdir() if (p.name in OWN_FILES or _OWN_FILE.match(p.name)) and p.is_file()]
+    return [p for p in run_dir.iterdir() if is_own_name(p.name) and p.is_file()]
+
+
+def is_own_file_of(run_dir: Path, path: Path | str) -> bool:
+    """Is `path` (symlinks resolved) one the runner would write in `run_dir`? A dataset kept there
+    under such a name would be overwritten or appended to by the run. The lock record counts too."""
+    from runner.lock import RECORD_NAME
+
+    target = Path(path).resolve()
+    return target.parent == Path(run_dir).resolve() and (is_own_name(target.name) or target.name == RECORD_NAME)
 
 
 def iter_lines(path: Path, start: int = 0) -> Iterator[tuple[int, bytes]]:

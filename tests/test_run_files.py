@@ -42,6 +42,33 @@ def test_overwrite_keeps_the_users_files_in_the_run_folder(model_server, tmp_pat
     assert sorted(p.name for p in run_dir.glob("batch_*")) == ["batch_0.jsonl", "batch_1.jsonl"]
 
 
+@pytest.mark.parametrize("name", ["trajectories.jsonl", "status_history.jsonl", "statistics.json", "checkpoint.json",
+                                  "config.json", "report.html", "status.json", "batch_0.jsonl", "batch_3.jsonl", ".lock"])
+def test_a_dataset_under_a_runner_file_name_in_the_run_folder_is_refused(model_server, tmp_path, name):
+    run_dir = tmp_path / "data" / "r"
+    run_dir.mkdir(parents=True)
+    rows = [{"prompt": f"Row {i}."} for i in range(3)]
+    dataset = write_jsonl(run_dir / name, rows)
+    before = dataset.read_bytes()
+    proc = run_cli(_args(dataset, model_server), tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the dataset is one of the files the runner writes" in proc.stderr and name in proc.stderr
+    assert dataset.read_bytes() == before  # untouched
+    assert sorted(p.name for p in run_dir.iterdir()) == [name]  # nothing else written
+    assert not model_server.requests_for("Row 0.")
+
+
+def test_a_dataset_reached_through_a_symlink_into_the_run_folder_is_refused(model_server, tmp_path):
+    run_dir = tmp_path / "data" / "r"
+    run_dir.mkdir(parents=True)
+    target = write_jsonl(run_dir / "trajectories.jsonl", [{"prompt": "Row 0."}])
+    link = tmp_path / "prompts.jsonl"
+    link.symlink_to(target)
+    proc = run_cli(_args(link, model_server), tmp_path)
+    assert proc.returncode == 1 and "the dataset is one of the files the runner writes" in proc.stderr
+    assert len(read_jsonl(target)) == 1
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real file system of its own (tmpfs) that a run can fill: ENOSPC from the kernel."""
