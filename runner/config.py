@@ -140,6 +140,13 @@ class RunConfig(BaseModel):
         return None if value == 0 and not isinstance(value, bool) else value
 
     @model_validator(mode="after")
+    def _key_fits_an_http_header(self):
+        from runner.secrets import check_header_safe
+
+        check_header_safe("the API key (--api_key, OPENROUTER_API_KEY or OPENAI_API_KEY)", self.api_key)
+        return self
+
+    @model_validator(mode="after")
     def _offline_model_has_no_endpoint(self):
         if self.model == "mock":
             self.base_url = None

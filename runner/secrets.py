@@ -65,6 +65,19 @@ def _escaped(text: str, ascii_only: bool) -> str:
     return json.dumps(text, ensure_ascii=ascii_only)[1:-1]
 
 
+def check_header_safe(what: str, value) -> None:
+    """A key goes into an HTTP header, which carries printable ASCII only: one with a stray é (or
+    a control character) would fail every request. ValueError naming the character's position,
+    never the key."""
+    if value is not None and hasattr(value, "get_secret_value"):
+        value = value.get_secret_value()
+    for position, char in enumerate(value or "", start=1):
+        if not " " <= char <= "~":
+            kind = "not ASCII" if ord(char) > 127 else "a control character"
+            raise ValueError(f"{what}: character {position} is {kind}, and an HTTP header cannot carry it; "
+                             "check the key for a character copied along with it")
+
+
 def register_config(config) -> None:
     """Every secret field of a RunConfig (the model key and the tool backends' keys)."""
     tools = config.tools

@@ -147,3 +147,27 @@ def test_python_api_keeps_the_keys_out_of_the_workers_environment(model_server, 
     (row,) = read_jsonl(tmp_path / "data" / "s" / "trajectories.jsonl")
     (output,) = _tool_outputs(row)
     assert "done-ppid" in output and not KEY_SEEN.search(output), output
+
+
+@pytest.mark.parametrize("where", ["env", "flag", "tool"])
+def test_a_key_no_http_header_can_carry_is_refused_at_start_without_printing_it(model_server, tmp_path, where):
+    """A stray é copied along with a key used to fail every row after 8 retries ("'ascii' codec")."""
+    key = "sk-or-v1-caf\u00e9-0123456789"
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Key row."}])
+    args = [f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--distribution=terminal_only",
+            f"--base_url={model_server.base_url}", "--model=m", "--num_workers=1"]
+    env = {}
+    if where == "env":
+        env["OPENROUTER_API_KEY"] = key
+    elif where == "flag":
+        args.append(f"--api_key={key}")
+    else:
+        env["TAVILY_API_KEY"] = key
+    proc = run_cli(args, tmp_path, env=env, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    console = proc.stdout + proc.stderr
+    assert "not ASCII" in console and "HTTP header" in console
+    assert ("TAVILY_API_KEY" if where == "tool" else "API key") in console
+    assert key not in console and "caf\u00e9" not in console and "Traceback" not in console
+    assert not model_server.requests_for("Key row.")
+    assert not (tmp_path / "data" / "r").exists()

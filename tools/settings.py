@@ -88,6 +88,14 @@ class ToolSettings(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _keys_fit_an_http_header(self):
+        from runner.secrets import check_header_safe
+
+        for name in ("tavily_api_key", "exa_api_key", "brave_api_key", "firecrawl_api_key", "fal_key", "images_api_key"):
+            check_header_safe(f"the key in {name.upper()}", getattr(self, name))
+        return self
+
+    @model_validator(mode="after")
     def _sandbox_is_local(self):
         if self.sandbox == "bwrap" and self.terminal_env != "local":
             raise ValueError("--sandbox=bwrap applies to --terminal_env=local only")
