@@ -18,7 +18,7 @@ import re
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import orjson
-from annotated_types import Ge, Gt
+from annotated_types import Ge, Gt, Lt
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, StrictFloat, StrictInt, ValidationError, field_validator, model_validator
 
 from agent.model_client import RetryPolicy
@@ -91,7 +91,8 @@ class RunConfig(BaseModel):
     prefill_messages: list[dict] = Field(default_factory=list)
     prefill_messages_file: str | None = None
     max_samples: StrictInt | None = Field(default=None, ge=1)  # 0 on the command line: all rows
-    seed: StrictInt | None = None  # without --seed, BatchRunner draws one for the run (seed_drawn) and records it
+    # 0 <= seed < 2**63: the run's random generator and the int64 metadata.seed column take it as it is
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)  # without --seed, BatchRunner draws one for the run (seed_drawn) and records it
     seed_drawn: bool = False
     keep_no_reasoning: bool = False
     skip_invalid: bool = False
@@ -235,8 +236,10 @@ def flag_error(error: ValidationError, model: type[BaseModel] = RunConfig) -> st
     if kind == "literal_error":
         return f"{flag} must be one of: {', '.join(map(str, _choices(_field(model, loc).annotation)))} (got {value!r})"
     field = _field(model, loc)
-    bounds = {type(c): c for c in field.metadata if isinstance(c, (Ge, Gt))}
+    bounds = {type(c): c for c in field.metadata if isinstance(c, (Ge, Gt, Lt))}
     if int in _types(field.annotation):
+        if Ge in bounds and Lt in bounds:
+            return f"{flag} must be an integer >= {bounds[Ge].ge} and < {bounds[Lt].lt} (got {value!r})"
         if Ge in bounds:
             return f"{flag} must be an integer >= {bounds[Ge].ge} (got {value!r})"
         if kind.startswith("int"):

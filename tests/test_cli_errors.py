@@ -65,10 +65,14 @@ def test_bad_options_are_refused(tmp_path):
         (["--provider_sort=cheapest"], "--provider_sort must be one of: price, throughput, latency"),
         (["--prefill_messages_file=missing.json"], "cannot load --prefill_messages_file"),
         (["--terminal_env=vm"], "--terminal_env must be local, docker, singularity or modal"),
+        (["--seed=99999999999999999999"], "--seed must be an integer >= 0 and < 9223372036854775808"),
+        (["--seed=-1"], "--seed must be an integer >= 0 and < 9223372036854775808"),
     ):
         proc = run_cli(common + extra, tmp_path)
         assert proc.returncode == 1, extra
         assert needle in proc.stderr, (extra, proc.stderr)
+        assert "Fatal error" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not (tmp_path / "data").exists(), extra  # nothing written, no .lock left
 
 
 def test_prefill_file_must_be_an_array(tmp_path):
