@@ -27,7 +27,7 @@ from agent.model_client import CallStats, ModelClient, RetryPolicy, SessionModel
 from agent.trajectory import extract_reasoning_stats, extract_tool_stats, normalise_tool_stats, to_sharegpt
 from agent.types import ProviderError
 from runner.config import RunConfig
-from tools.environments.base import SandboxError
+from tools.environments.base import SandboxError, become_subreaper, kill_orphans
 from runner.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, Usage, as_dict, dropped_lines, note_lines
 from tools.registry import ToolContext, tools_for_toolsets
 from toolset_distributions import rng_for_row, sample_toolsets_from_distribution
@@ -210,7 +210,11 @@ def worker_main(worker_id: int, config: RunConfig, unavailable: dict, sessions: 
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides how to stop on Ctrl-C
     _die_with_parent()
-    asyncio.run(_serve(worker_id, config, unavailable, sessions, conn))
+    become_subreaper()  # what commands detach (setsid, env -i) stays ours to kill
+    try:
+        asyncio.run(_serve(worker_id, config, unavailable, sessions, conn))
+    finally:
+        kill_orphans(everything=True)  # nothing a session started outlives its worker
 
 
 def _die_with_parent() -> None:
@@ -240,6 +244,11 @@ def _die_with_parent() -> None:
         pass
 
 
+def _hard_exit() -> None:
+    kill_orphans(everything=True)
+    os._exit(0)
+
+
 async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, conn) -> None:
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
@@ -259,7 +268,7 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
         inbox.put_nowait(None)
 
     def parent_gone() -> None:  # nobody would commit our results: stop paying for them now
-        timer = threading.Timer(HARD_EXIT_AFTER, os._exit, (0,))
+        timer = threading.Timer(HARD_EXIT_AFTER, _hard_exit)
         timer.daemon = True
         timer.start()
         stop_now()

@@ -10,9 +10,13 @@ Backends import only this module, never one another (the registry is tools/envir
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shlex
+import signal
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from tools.settings import ToolSettings
@@ -154,3 +158,97 @@ class OutputCapture:
 
     def text(self) -> str:
         return self.data().decode("utf-8", errors="replace")
+
+
+# Orphans. A worker is a child subreaper, so what a command detaches (`setsid x &`, `env -i x &`:
+# no session marker left) reparents to the worker instead of init and can still be killed. An
+# orphan is told from the worker's own children by its session: every command starts a session of
+# its own, so its descendants never share the worker's (the sandbox holder and the browser do).
+_PR_SET_CHILD_SUBREAPER = 36
+_kept_markers: set[bytes] = set()  # "NAME=value" environment entries of the sessions still running
+_running_commands: set[int] = set()  # commands whose exit status a Popen has yet to collect
+_children_lock = threading.Lock()  # a command is registered before a sweep can see it
+
+
+def become_subreaper() -> None:
+    """Make orphaned descendants of this process reparent to it rather than to init (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def keep_processes_marked(entry: bytes) -> None:
+    """kill_orphans() spares processes whose environment holds `entry` (a live session's marker)."""
+    _kept_markers.add(entry)
+
+
+def forget_marked_processes(entry: bytes) -> None:
+    _kept_markers.discard(entry)
+
+
+def start_command(popen: Callable[[], Any]) -> Any:
+    """Run `popen()` (a command in a session of its own) so that no sweep mistakes it for an
+    orphan, nor reaps it before its Popen does; call command_finished(pid) once it is waited for."""
+    with _children_lock:
+        proc = popen()
+        _running_commands.add(proc.pid)
+    return proc
+
+
+def command_finished(pid: int) -> None:
+    _running_commands.discard(pid)
+
+
+def kill_orphans(everything: bool = False) -> int:
+    """SIGKILL and reap the orphans that reparented to this process: children in a session other
+    than ours that are no running command and carry no live session's marker (zombies among them
+    are only reaped). `everything`: the worker is exiting, every child it still has goes. Returns
+    how many were killed."""
+    me, my_session = os.getpid(), os.getsid(0)
+    killed = 0
+    for _ in range(10):  # repeat: an orphan's own children reparent to us when it dies
+        with _children_lock:
+            kept = list(_kept_markers)
+            found = [(pid, state) for pid, state, session in _children_of(me)
+                     if everything or (session != my_session and pid not in _running_commands
+                                       and (state == "Z" or not any(m in _environ_of(pid) for m in kept)))]
+        if not found:
+            break
+        for pid, state in found:
+            if state != "Z":
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+                except OSError:
+                    pass
+        for pid, _ in found:
+            try:
+                os.waitpid(pid, 0)
+            except OSError:  # reaped elsewhere (a Popen, asyncio's child watcher)
+                pass
+    return killed
+
+
+def _children_of(parent: int) -> list[tuple[int, str, int]]:
+    """(pid, state, session id) of every child of `parent`, from /proc/<pid>/stat."""
+    children = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent:
+            children.append((int(name), fields[0].decode(), int(fields[3])))
+    return children
+
+
+def _environ_of(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb", buffering=0) as f:
+            return f.read()
+    except OSError:
+        return b""

@@ -3,9 +3,16 @@
 Without a sandbox, commands run as the runner's own user with full access to the host: fast, and
 fine for trusted prompts. With `sandbox="bwrap"` each session gets one bubblewrap sandbox that
 behaves like a small container: the host filesystem read-only, the working directory writable, a
-private /tmp, no network (only `lo`) and its own PID namespace. A long-lived `cat` keeps the
-sandbox alive and every command joins its namespaces with `nsenter`, so background processes and
-files in /tmp survive from one command to the next, as they do in a Docker container.
+private /tmp and /run (so no host socket, such as the Docker engine's, is reachable), no network
+(only `lo`), its own PID, IPC, UTS and cgroup namespaces, and no capabilities. A long-lived `cat`
+keeps the sandbox alive and every command joins its namespaces with `nsenter`, then drops every
+capability and sets no_new_privs with `setpriv` (nsenter alone would hand it all of the runner's),
+so background processes and files in /tmp survive from one command to the next, as they do in a
+Docker container.
+
+The worker process is a child subreaper (base.become_subreaper): what a command detaches from its
+session (`env -i setsid daemon &` drops the session marker) reparents to the worker rather than to
+init, so cleanup() still kills it (base.kill_orphans), and so does the worker when it exits.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ import uuid
 
 from pydantic import BaseModel
 
-from tools.environments.base import Backend, ExecResult, OutputCapture, SandboxError, quote, truncate_output
+from tools.environments.base import (
+    Backend, ExecResult, OutputCapture, SandboxError, command_finished, forget_marked_processes, keep_processes_marked,
+    kill_orphans, quote, start_command, truncate_output,
+)  # fmt: skip
 from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
 
 BWRAP_MISSING = "--sandbox=bwrap needs bubblewrap: apt-get install bubblewrap"
@@ -38,6 +48,13 @@ _MARKER_VAR = "ABR_LOCAL_SESSION"
 # ... and the task it runs for ("<run id>-p<row>-a<attempt>"), so that what a dead worker or a killed
 # run left running can be found after the fact (runner/leftovers.py) by task or by run.
 _TASK_VAR = "ABR_TASK_ID"
+# Host folders that hold sockets (the Docker engine's /run/docker.sock, D-Bus, systemd, containerd)
+# or container filesystems: each gets an empty tmpfs inside the sandbox. /var/run is mostly a
+# symlink to /run, then nothing more to hide.
+_HIDDEN_DIRS = ("/run", "/var/run", "/var/lib/docker", "/var/lib/containerd")
+# Files of /proc that root could write without any capability (file mode only): read-only inside.
+_READ_ONLY_PROC = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
+_DROP_PRIVILEGES = ["setpriv", "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--"]
 
 
 class LocalConfig(BaseModel):
@@ -87,6 +104,9 @@ class LocalEnvironment(Backend):
             raise SandboxError(BWRAP_MISSING)
         if cfg.sandbox and shutil.which("nsenter") is None:
             raise SandboxError("--sandbox=bwrap needs nsenter: apt-get install util-linux")
+        if cfg.sandbox and shutil.which("setpriv") is None:
+            raise SandboxError("--sandbox=bwrap needs setpriv: apt-get install util-linux")
+        keep_processes_marked(self._marker_entry())
         try:
             if cfg.cwd and not cfg.sandbox:
                 if not os.path.isdir(cfg.cwd):
@@ -112,10 +132,13 @@ class LocalEnvironment(Backend):
         # namespace that nsenter cannot join, so bind the host's /dev (its file permissions still
         # apply: an ordinary user can open /dev/null, not the disks).
         dev = ["--dev", "/dev"] if os.geteuid() == 0 else ["--dev-bind", "/dev", "/dev"]
+        hidden = [arg for d in _HIDDEN_DIRS if os.path.isdir(d) and not os.path.islink(d) for arg in ("--tmpfs", d)]
+        read_only_proc = [arg for path in _READ_ONLY_PROC for arg in ("--ro-bind-try", path, path)]
         info_r, info_w = os.pipe()
         bwrap_args = [
-            "--info-fd", str(info_w), "--unshare-pid", "--unshare-ipc", "--unshare-net", "--die-with-parent",
-            "--ro-bind", "/", "/", *dev, "--proc", "/proc", "--tmpfs", "/tmp",
+            "--info-fd", str(info_w), "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts",
+            "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent",
+            "--ro-bind", "/", "/", *hidden, *dev, "--proc", "/proc", *read_only_proc, "--tmpfs", "/tmp",
             "--bind", self._workdir_root, self._workdir_root,
             "--clearenv", *(arg for name, value in _sandbox_env().items() for arg in ("--setenv", name, value)),
             "--", "sh", "-c", "echo ready; exec cat",
@@ -146,10 +169,14 @@ class LocalEnvironment(Backend):
         return [*self._enter_sandbox(), "sh", "-c", script]
 
     def _enter_sandbox(self) -> list[str]:
-        enter = ["nsenter", "-t", str(self._sandbox_pid), "-m", "-n", "-p", "-i", "-r"]
+        """nsenter into every namespace of the sandbox, then setpriv: without it the process would
+        keep every capability of the runner (root: remount / read-write, write the host)."""
+        enter = ["nsenter", "-t", str(self._sandbox_pid), "-m", "-n", "-p", "-i", "-u", "-r"]
+        if os.readlink(f"/proc/{self._sandbox_pid}/ns/cgroup") != os.readlink("/proc/self/ns/cgroup"):
+            enter.append("-C")  # --unshare-cgroup-try made one (the kernel supports them)
         if os.geteuid() != 0:  # unprivileged bwrap made a user namespace: join it first
             enter += ["-U", "--preserve-credentials"]
-        return enter
+        return [*enter, *_DROP_PRIVILEGES]
 
     def _command_env(self) -> dict[str, str]:
         if self._holder:  # the sandbox gets a clean environment, nothing of the runner's
@@ -168,11 +195,17 @@ class LocalEnvironment(Backend):
         # `cd` inside the shell: a missing directory is then an ordinary shell error, and the path
         # means the same thing inside the sandbox as outside.
         script = f"cd {quote(where)} || exit 1\n{command}"
-        proc = subprocess.Popen(
+        proc = start_command(lambda: subprocess.Popen(
             self._command_argv(script), cwd="/", env=self._command_env(),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, so a timeout can kill all of it
-        )  # fmt: skip
+        ))  # fmt: skip
+        try:
+            return self._finish(proc, timeout)
+        finally:
+            command_finished(proc.pid)
+
+    def _finish(self, proc: subprocess.Popen, timeout: float) -> ExecResult:
         capture = OutputCapture(self.config.max_output_chars * 4)  # 4: worst-case UTF-8 bytes per char
         reader = threading.Thread(target=capture.drain, args=(proc.stdout,), daemon=True)
         reader.start()
@@ -230,6 +263,8 @@ class LocalEnvironment(Backend):
 
     def cleanup(self) -> None:
         self._kill_session_processes()
+        forget_marked_processes(self._marker_entry())
+        kill_orphans()  # what the session's commands detached from it and from its marker
         if self._holder:
             if self._sandbox_ns and _namespace_of(self._sandbox_pid) == self._sandbox_ns:
                 _signal(self._sandbox_pid)  # its init dies, so the kernel kills everything inside
@@ -240,8 +275,11 @@ class LocalEnvironment(Backend):
             shutil.rmtree(self._workdir_root, onerror=_force_remove)
             self._owns_workdir = False
 
+    def _marker_entry(self) -> bytes:
+        return f"{_MARKER_VAR}={self._marker}".encode()
+
     def _kill_session_processes(self) -> None:
-        marker = f"{_MARKER_VAR}={self._marker}".encode()
+        marker = self._marker_entry()
         for _ in range(10):  # repeat: a process may fork while we are killing its parent
             found = [pid for pid in _all_pids() if marker in _environ_bytes(pid)]
             if not found:
