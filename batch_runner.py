@@ -731,26 +731,16 @@ class BatchRunner:
             detail = "; ".join(f"{', '.join(tools)} ({why})" for why, tools in by_reason.items())
             print(f"⚠️  Not offered to the model in this run: {detail}")
 
-    def _tasks(self, scan, store, failed_images: dict[str, str]):
-        """Rows still to run, as tasks; rows whose image cannot be had become failed records."""
+    def _tasks(self, store):
+        """The rows still to run, each as the task of its next attempt."""
         from runner.dataset import iter_rows
+        from runner.task import Task
 
-        for row in iter_rows(self.config.dataset_file, self.config.max_samples, require_image=self._rows_need_image(),
-                             sandboxed=self.config.tools.sandbox == "bwrap"):
-            if store.is_committed(row.key):
-                continue
-            attempt = store.failures(row.key) + 1
-            yield {
-                "key": row.key,
-                "index": row.index,
-                "prompt": row.prompt,
-                "image": row.image,
-                "cwd": row.cwd,
-                "id": row.id,
-                "attempt": attempt,
-                "task_id": f"{self.config.tools.run_id}-p{row.index}-a{attempt}",
-                "image_error": failed_images.get(row.image or self.config.tools.docker_image or ""),
-            }
+        config = self.config
+        for row in iter_rows(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
+                             sandboxed=config.tools.sandbox == "bwrap"):
+            if not store.is_committed(row.key):
+                yield Task.of(row, attempt=store.failures(row.key) + 1, run_id=config.tools.run_id, seed=config.seed)
 
     def _rows_need_image(self) -> bool:
         """A row naming no image is invalid (found before any cost) when the backend says so and
@@ -781,7 +771,7 @@ class BatchRunner:
         counts = {"ok": 0, "failed": 0, "discarded": 0, "retries": 0}
         self._phase = "dispatch"
         print(f"\n🚀 Running {plural(remaining, 'prompt')}: {executor.describe()}\n")
-        tasks = self._tasks(scan, store, failed_images)
+        tasks = self._tasks(store)
         exhausted = False
         committed = 0
         grace_deadline = None
@@ -795,8 +785,9 @@ class BatchRunner:
                     task = next(tasks, None)
                     if task is None:
                         exhausted = True
-                    elif task["image_error"]:
-                        immediate.append(failed_record(task, config, f"environment: {task['image_error']}", "environment"))
+                    elif unusable := failed_images.get(task.image or config.tools.docker_image or ""):
+                        # Known before dispatch: the row fails here, no worker sees it.
+                        immediate.append(failed_record(task, config, f"environment: {unusable}", "environment"))
                     else:
                         executor.submit(task)
                         monitor.on_start(task)

@@ -24,6 +24,7 @@ from multiprocessing.connection import wait
 
 from runner.config import RunConfig
 from runner.console import plural
+from runner.task import Task
 from runner.worker import failed_record, worker_main
 
 
@@ -33,7 +34,7 @@ class _Worker:
     process: mp.Process
     conn: object  # multiprocessing Connection: tasks down, ("result" | "log", payload) up
     slots: int
-    in_flight: dict[str, dict] = field(default_factory=dict)  # row key -> task
+    in_flight: dict[str, Task] = field(default_factory=dict)  # row key -> task
     broken: bool = False  # its pipe ended (EOF, or a message cut short): the worker is dead or dying
     retired: bool = False  # its slot died too often in a short time and is not restarted
 
@@ -110,9 +111,9 @@ class ProcessExecutor:
     def in_flight(self) -> int:
         return sum(len(w.in_flight) for w in self.workers)
 
-    def submit(self, task: dict) -> None:
+    def submit(self, task: Task) -> None:
         worker = max((w for w in self._live() if not w.broken), key=lambda w: w.slots - len(w.in_flight))
-        worker.in_flight[task["key"]] = task  # before sending: if the worker is dead, the row fails below
+        worker.in_flight[task.key] = task  # before sending: if the worker is dead, the row fails below
         try:
             worker.conn.send(task)
         except OSError:
@@ -213,11 +214,11 @@ class ProcessExecutor:
                 worker.process.terminate()
 
 
-def _clean_after_worker(config: RunConfig, tasks: list[dict], log) -> None:
+def _clean_after_worker(config: RunConfig, tasks: list[Task], log) -> None:
     """A dead worker could not clean up after its sessions: do it here, off the dispatch loop."""
     from runner.leftovers import clean_task_leftovers
 
-    threading.Thread(target=clean_task_leftovers, args=(config.tools, [t["task_id"] for t in tasks], log),
+    threading.Thread(target=clean_task_leftovers, args=(config.tools, [t.task_id for t in tasks], log),
                      name="abr-reaper", daemon=True).start()
 
 

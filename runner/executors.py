@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from runner.task import Task
+
 
 class Executor(Protocol):
     # Why the run should stop starting rows (workers keep dying), or None.
@@ -26,7 +28,7 @@ class Executor(Protocol):
     def in_flight(self) -> int:
         """Tasks submitted whose record `poll` has not returned yet."""
 
-    def submit(self, task: dict) -> None:
+    def submit(self, task: Task) -> None:
         """Run one task; its record comes back from a later `poll`, whatever happens to the worker."""
 
     def poll(self, timeout: float) -> list[dict]:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.config import RunConfig
+from runner.task import Task
 from runner.worker import failed_record
 
 RAY_MISSING = "--executor=ray needs Ray: pip install 'agent-batch-runner[ray]' (or pip install ray)"
@@ -81,7 +82,7 @@ class NodeWorker:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "host": socket.gethostname(),
                 "missing": self.node_missing}
 
-    async def run(self, task: dict) -> dict:
+    async def run(self, task: Task) -> dict:
         """Run one row: {"record": the record to commit, "logs": verbose lines since the last call}."""
         from runner.worker import process_row
 
@@ -98,10 +99,10 @@ class NodeWorker:
         logs, self.logs = self.logs, []
         return {"record": record, "logs": logs}
 
-    async def _image_error(self, task: dict) -> str | None:
+    async def _image_error(self, task: Task) -> str | None:
         """The row's image must be ready on this node: the backend prepares it once per node (docker:
         reaps containers dead runs left here, then checks or pulls it)."""
-        image = task.get("image") or self.config.tools.docker_image
+        image = task.image or self.config.tools.docker_image
         if not image:
             return None  # create_environment explains what is missing, if the backend needs one
         if image not in self.images:
@@ -175,7 +176,7 @@ class RayExecutor:
         self.log = log
         self.sessions = config.sessions_per_node or config.num_workers
         self.actors: list[_Actor] = []
-        self.backlog: deque[dict] = deque()  # tasks whose worker died, waiting for a free slot
+        self.backlog: deque[Task] = deque()  # tasks whose worker died, waiting for a free slot
         self.ready_records: list[dict] = []  # records made on the driver, handed out by poll()
         self.deliveries: dict[str, int] = {}  # row key -> times sent to a worker that died
         self.restarts: dict[str, int] = {}  # node id -> actors lost on it
@@ -295,14 +296,14 @@ class RayExecutor:
     def in_flight(self) -> int:
         return sum(len(a.in_flight) for a in self.actors) + len(self.backlog) + len(self.ready_records)
 
-    def submit(self, task: dict) -> None:
+    def submit(self, task: Task) -> None:
         live = [a for a in self.actors if a.ready and len(a.in_flight) < a.sessions]
         if not live:
             self.backlog.append(task)  # free_slots() said there was room; it went since
             return
         self._send(max(live, key=lambda a: a.sessions - len(a.in_flight)), task)
 
-    def _send(self, actor: _Actor, task: dict) -> None:
+    def _send(self, actor: _Actor, task: Task) -> None:
         ref = actor.handle.run.remote(task)
         actor.in_flight[ref] = task
         self._owner[ref] = actor
@@ -350,8 +351,8 @@ class RayExecutor:
 
     # --- failures ---------------------------------------------------------------------------
 
-    def _requeue(self, task: dict, err: Exception) -> None:
-        key = task["key"]
+    def _requeue(self, task: Task, err: Exception) -> None:
+        key = task.key
         self.deliveries[key] = self.deliveries.get(key, 0) + 1
         if self.deliveries[key] >= self.MAX_DELIVERIES:
             self.ready_records.append(failed_record(

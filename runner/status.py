@@ -176,10 +176,10 @@ class RunMonitor:
 
     # --- feeding ----------------------------------------------------------------------------
 
-    def on_start(self, task: dict) -> None:
+    def on_start(self, task) -> None:  # a runner.task.Task
         self.in_flight += 1
         if self.budget is not None:
-            self.budget.on_start(task["key"])
+            self.budget.on_start(task.key)
 
     def on_commit(self, records: list[dict]) -> None:
         from runner.store import record_outcome

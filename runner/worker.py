@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
-import random
 import signal
 import sys
 import threading
@@ -29,6 +28,7 @@ from agent.types import ProviderError
 from runner.config import RunConfig
 from tools.environments.base import SandboxError, become_subreaper, kill_orphans
 from runner.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, Usage, as_dict, dropped_lines, note_lines
+from runner.task import Task
 from tools.registry import ToolContext, tools_for_toolsets
 from toolset_distributions import rng_for_row, sample_toolsets_from_distribution
 
@@ -61,30 +61,21 @@ class WorkerRuntime:
         )
 
 
-def _metadata(task: dict, config: RunConfig, started: float | None, session: SessionModel | None, **extra: Any) -> Metadata:
+def _metadata(task: Task, config: RunConfig, started: float | None, session: SessionModel | None,
+              **extra: Any) -> Metadata:
     stats = session.stats if session else None
-    _row_seed(task, config)
     return Metadata(
         timestamp=datetime.now().isoformat(),
         model=config.model,
-        row_key=task["key"],
-        id=task.get("id") or "",
+        row_key=task.key,
+        id=task.id,
         run_id=config.tools.run_id,
-        attempt=task["attempt"],
+        attempt=task.attempt,
         duration_seconds=round(time.monotonic() - started, 3) if started is not None else 0.0,
         usage=Usage.of(stats.as_dict()) if stats else Usage(),
-        seed=task["seed"],
+        seed=task.seed,
         **extra,
     )
-
-
-def _row_seed(task: dict, config: RunConfig) -> int:
-    """The seed this row's sample comes from: the run's (the user's, or the one BatchRunner drew
-    and recorded for the run). A caller that builds a configuration without one (a unit test)
-    gets a seed drawn for the row, recorded all the same."""
-    if "seed" not in task:
-        task["seed"] = config.seed if config.seed is not None else random.randrange(2**31)
-    return task["seed"]
 
 
 def _message(err: Exception) -> str:
@@ -92,15 +83,15 @@ def _message(err: Exception) -> str:
     return str(err).strip() or type(err).__name__
 
 
-def failed_record(task: dict, config: RunConfig, error: str, error_class: str, *,
+def failed_record(task: Task, config: RunConfig, error: str, error_class: str, *,
                   started: float | None = None, session: SessionModel | None = None, **metadata: Any) -> dict:
     """The record of a failed attempt: never merged into trajectories.jsonl, retried on resume."""
     return as_dict(FailedRecord(
-        prompt_index=task["index"],
+        prompt_index=task.index,
         failed=True,
         error=error,
         error_class=error_class,
-        prompt=task["prompt"],
+        prompt=task.prompt,
         metadata=_metadata(task, config, started, session, stop_reason="failed", **metadata),
     ))
 
@@ -121,7 +112,7 @@ async def _cleanup(ctx: ToolContext | None, env: Any) -> None:
             pass
 
 
-async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
+async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
     """Run one dataset row and return the record to commit (ok, discarded or failed)."""
     config = runtime.config
     started = time.monotonic()
@@ -130,7 +121,7 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
     env = None
     offered: dict[str, Any] = {}  # what the model was offered, for the record of a failure too
     try:
-        toolsets = sample_toolsets_from_distribution(config.distribution, rng_for_row(_row_seed(task, config), task["key"]))
+        toolsets = sample_toolsets_from_distribution(config.distribution, rng_for_row(task.seed, task.key))
         tools = tools_for_toolsets(toolsets, runtime.unavailable)
         # The toolsets the model really got: at least one of their tools was offered.
         offered_toolsets = {spec.toolset for spec in tools}
@@ -141,12 +132,12 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
         if any(spec.needs_sandbox for spec in tools):
             from tools.environments import create_environment
 
-            env = create_environment(config.tools, task_id=task["task_id"], image=task.get("image"), cwd=task.get("cwd"))
+            env = create_environment(config.tools, task_id=task.task_id, image=task.image, cwd=task.cwd)
             await asyncio.to_thread(env.start)
-        ctx = ToolContext(env=env, settings=config.tools, model=session, task_id=task["task_id"])
-        runtime.log(f"[P{task['index']}] toolsets {toolsets}, {len(tools)} tools")
+        ctx = ToolContext(env=env, settings=config.tools, model=session, task_id=task.task_id)
+        runtime.log(f"[P{task.index}] toolsets {toolsets}, {len(tools)} tools")
         result = await asyncio.wait_for(
-            run_conversation(task["prompt"], model=session, tools=tools, ctx=ctx, config=runtime.loop_config),
+            run_conversation(task.prompt, model=session, tools=tools, ctx=ctx, config=runtime.loop_config),
             config.prompt_timeout,
         )
         raw_stats = extract_tool_stats(result.messages)
@@ -171,11 +162,11 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
             "reasoning_stats": reasoning_stats,
         }
         if config.discard_without_reasoning and reasoning_stats["turns_with_reasoning"] == 0:
-            return as_dict(DiscardedRecord(prompt_index=task["index"], discarded="no_reasoning",
-                                           prompt=task["prompt"].strip(), **common))
+            return as_dict(DiscardedRecord(prompt_index=task.index, discarded="no_reasoning",
+                                           prompt=task.prompt.strip(), **common))
         return as_dict(OkRecord(
-            prompt_index=task["index"],
-            conversations=to_sharegpt(result.messages, task["prompt"], tools),
+            prompt_index=task.index,
+            conversations=to_sharegpt(result.messages, task.prompt, tools),
             completed=result.completed,
             partial=result.partial,
             **common,
@@ -190,7 +181,7 @@ async def process_row(task: dict, runtime: WorkerRuntime) -> dict:
         return failed_record(task, config, error, "timeout", started=started, session=session, **offered)
     except Exception as err:  # a bug in our code fails this row only, with its traceback
         detail = "".join(traceback.format_exception_only(type(err), err)).strip()
-        runtime.log(f"[P{task['index']}] agent error:\n{traceback.format_exc()}")
+        runtime.log(f"[P{task.index}] agent error:\n{traceback.format_exc()}")
         return failed_record(task, config, detail, "agent", started=started, session=session, **offered)
     finally:
         await _cleanup(ctx, env)
@@ -306,7 +297,7 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
     sender = threading.Thread(target=send_results, name="abr-results", daemon=True)
     sender.start()
 
-    async def handle(task: dict) -> None:
+    async def handle(task: Task) -> None:
         try:
             record = await process_row(task, runtime)
         except Exception as err:  # never leave the parent waiting for a row that has no answer

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from runner.task import Task
 from tests.conftest import REPO, read_jsonl, run_cli, write_jsonl
 from tests.model_server import ModelServer
 
@@ -135,9 +136,9 @@ def test_ray_run_matches_local_run(tmp_path, two_nodes, server):
     assert ray_stats["outcomes"]["ok"] == 10 and ray_stats["outcomes"]["failed"] == 0
 
 
-def _task(index: int, prompt: str) -> dict:
-    return {"key": f"k{index}", "index": index, "prompt": prompt, "image": None, "cwd": None, "id": None,
-            "attempt": 1, "task_id": f"t-p{index}-a1", "image_error": None}
+def _task(index: int, prompt: str) -> Task:
+    return Task(key=f"k{index}", index=index, prompt=prompt, image=None, cwd=None, id="", attempt=1,
+                task_id=f"t-p{index}-a1", seed=1)
 
 
 def _poll_until(executor, count: int, seconds: float) -> list[dict]:
