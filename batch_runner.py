@@ -17,9 +17,32 @@ safe); 130 interrupted (Ctrl-C / SIGTERM).
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
+
+
+def _interrupted_before_the_run(signum, frame):
+    """Ctrl-C / SIGTERM before the run's own handlers are in place (imports, flag checks, the
+    re-exec that takes the keys out): no row was started yet, so leave at once, without a
+    traceback (worker processes started by then notice that their parent is gone). Not by
+    raising: an exception raised inside a C extension's import (orjson) crashes the interpreter;
+    nor by print(), which may have been interrupted in the middle of a write."""
+    try:
+        sys.stdout.flush()
+    except BaseException:  # reentrant: the signal came in the middle of a write
+        pass
+    os.write(2, "\n⏹️  Interrupted.\n".encode())
+    os._exit(130)  # EXIT_INTERRUPTED, defined below: a signal may come before that line
+
+
+if __name__ == "__main__":  # first thing, before the heavy imports; never when imported as a library
+    for _signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signum, _interrupted_before_the_run)
+    # The re-exec (runner/secrets.py) blocks both signals across execve, so one sent while the new
+    # interpreter starts waits here instead of killing it or raising KeyboardInterrupt in its imports.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+
+import re
 import time
 import uuid
 from datetime import datetime

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 from contextlib import contextmanager
 
@@ -162,7 +163,14 @@ def _reexec_without(found: dict[str, str], argv: list[str]) -> None:
     env[_HANDOVER_FD] = str(read_end)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *argv[1:]], env)
+    # A signal handler does not survive execve, and the new interpreter takes a while to reach its
+    # own (batch_runner.py installs it first thing, then unblocks): a Ctrl-C in between stays pending.
+    interrupts = (signal.SIGINT, signal.SIGTERM)
+    signal.pthread_sigmask(signal.SIG_BLOCK, interrupts)
+    try:
+        os.execve(sys.executable, [sys.executable, *argv[1:]], env)
+    finally:  # only reached when execve failed
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, interrupts)
 
 
 class _RedactingStream:
