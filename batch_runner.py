@@ -742,6 +742,7 @@ class BatchRunner:
                   "on this machine, unisolated. Isolate them with --sandbox=bwrap or --terminal_env=docker.")
 
     def _warn_unavailable(self, unavailable: dict[str, str]) -> None:
+        from runner.worker import fallback_toolset
         from toolset_distributions import get_distribution
         from tools.registry import TOOLSETS
 
@@ -753,6 +754,9 @@ class BatchRunner:
                 by_reason.setdefault(why, []).append(tool)
             detail = "; ".join(f"{', '.join(tools)} ({why})" for why, tools in by_reason.items())
             print(f"⚠️  Not offered to the model in this run: {detail}")
+        if fallback_toolset(self.config.distribution, unavailable) is None:
+            print(f"⚠️  No toolset of --distribution={self.config.distribution} can offer a tool in this run: "
+                  "every row runs without tools (toolsets_used and metadata.tools_offered are empty)")
 
     def _tasks(self, store):
         """The rows still to run, each as the task of its next attempt."""

@@ -30,7 +30,7 @@ from tools.environments.base import SandboxError, become_subreaper, kill_orphans
 from runner.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, Usage, as_dict, dropped_lines, note_lines
 from runner.task import Task
 from tools.registry import ToolContext, tools_for_toolsets
-from toolset_distributions import rng_for_row, sample_toolsets_from_distribution
+from toolset_distributions import get_distribution, rng_for_row, sample_toolsets_from_distribution
 
 class WorkerRuntime:
     """What one worker process shares between its sessions: built once, not per prompt."""
@@ -112,6 +112,17 @@ async def _cleanup(ctx: ToolContext | None, env: Any) -> None:
             pass
 
 
+def fallback_toolset(distribution: str, unavailable: dict[str, str]) -> str | None:
+    """The distribution's highest-percentage toolset that offers at least one tool in this run
+    (ties: the first in the distribution's order); None when none of its toolsets can.
+
+    A row whose draw offers nothing gets it, so no row is run without tools only because its draw
+    fell on toolsets this run cannot serve (and toolsets_used is never empty in such a run)."""
+    candidates = [(ts, p) for ts, p in get_distribution(distribution)["toolsets"].items()
+                  if tools_for_toolsets([ts], unavailable)]
+    return max(candidates, key=lambda item: item[1])[0] if candidates else None  # max keeps the first
+
+
 async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
     """Run one dataset row and return the record to commit (ok, discarded or failed)."""
     config = runtime.config
@@ -122,10 +133,15 @@ async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
     offered: dict[str, Any] = {}  # what the model was offered, for the record of a failure too
     try:
         toolsets = sample_toolsets_from_distribution(config.distribution, rng_for_row(task.seed, task.key))
-        tools = tools_for_toolsets(toolsets, runtime.unavailable)
+        offering = toolsets
+        tools = tools_for_toolsets(offering, runtime.unavailable)
+        if not tools:  # the draw offers nothing that can run here: as the original does for an empty draw
+            fallback = fallback_toolset(config.distribution, runtime.unavailable)
+            offering = [fallback] if fallback else []
+            tools = tools_for_toolsets(offering, runtime.unavailable)
         # The toolsets the model really got: at least one of their tools was offered.
         offered_toolsets = {spec.toolset for spec in tools}
-        toolsets_used = [ts for ts in toolsets if ts in offered_toolsets]
+        toolsets_used = [ts for ts in offering if ts in offered_toolsets]
         offered = {"tools_offered": [spec.name for spec in tools], "toolsets_sampled": list(toolsets)}
         session = SessionModel(runtime.client, config.model, config.max_tokens, config.extra_body(),
                                stats=CallStats(prices=config.request_prices), tool_choice=config.tool_choice)

@@ -236,3 +236,20 @@ def test_toolsets_used_are_the_offered_ones_and_the_sample_is_kept(tmp_path, mod
     assert not any("image_gen" in row["toolsets_used"] for row in kept)  # no image backend configured here
     summary = _embedded(tmp_path / "data" / "r", "summary-data")
     assert summary["toolsets"]["image_gen"]["rows"] == 0 and summary["toolsets"]["image_gen"]["sampled_rows"] > 0
+
+
+def test_a_run_whose_draws_offer_no_tool_falls_back_and_loads_with_another_run(tmp_path, model_server, remote_args):
+    """With seed 2008 both rows of the image_gen distribution draw only image_gen, which has no
+    backend here: each row falls back to the distribution's highest toolset that can offer a tool
+    (image_gen's tie partner vision, else web), keeps its draw in metadata.toolsets_sampled, and
+    the run loads together with another one in either order (no all-empty list column)."""
+    pytest.importorskip("datasets")
+    files = _two_runs(tmp_path, remote_args, [{"prompt": "img 1"}, {"prompt": "img 2"}],
+                      "--distribution=image_gen", "--seed=2008")
+    rows = read_jsonl(tmp_path / "data" / "b" / "trajectories.jsonl")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["metadata"]["toolsets_sampled"] == ["image_gen"], row["metadata"]
+        assert row["toolsets_used"] and row["metadata"]["tools_offered"], row
+        assert row["toolsets_used"][0] in ("vision", "web")
+    _load_both_orders(tmp_path, files)
