@@ -31,9 +31,8 @@ def merge_run(run_dir: Path, key_to_index: Mapping[str, int], log=print, *, ids:
     """Read the run into a view of the dataset `key_to_index` (with its current `ids`) and write
     trajectories.jsonl from it. `detail` and `on_line` are the report's hooks (see RunView)."""
     view = read_run(batch_files(run_dir), RunView(key_to_index, ids=ids, detail=detail, on_line=on_line, log=log))
-    ids = view.ids
     ok_rows = sorted(
-        (key_to_index[key], entry, ids.get(key, "")) for key, entry in view.rows.items() if entry.rank == OK_RANK
+        (*view.current(key), entry) for key, entry in view.rows.items() if entry.rank == OK_RANK
     )
     _write_trajectories(run_dir, view.files, ok_rows)
     return view
@@ -45,7 +44,7 @@ def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None
     handles = {}
     try:
         with os.fdopen(fd, "wb") as out:
-            for index, winner, row_id in ok_rows:
+            for index, row_id, winner in ok_rows:
                 handle = handles.get(winner.file_no) or handles.setdefault(winner.file_no, open(files[winner.file_no], "rb"))
                 handle.seek(winner.offset)
                 line = handle.read(winner.length)

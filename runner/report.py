@@ -71,7 +71,7 @@ class _Row:
     entry: RowEntry  # where the line is (file, line number, offset)
     error_class: str | None
     error: str
-    row_id: str
+    row_id: str  # as committed, until `_report_rows` sets the current one
     preview: str
     ts: float | None
     duration: float | None
@@ -164,7 +164,7 @@ def _make_row(fields: LineFields, entry: RowEntry) -> _Row:
         key=fields.key, code=code, index=fields.prompt_index, entry=entry,
         error_class=fields.error_class if code == FAILED else None,
         error=_one_line(record.get("error"), ERROR_CHARS) if code == FAILED else "",
-        row_id=_one_line(fields.row_id, ID_CHARS),
+        row_id=fields.row_id,
         preview=_one_line(_prompt_of(record), PREVIEW_CHARS),
         ts=parse_time(fields.timestamp),
         duration=fields.duration,
@@ -289,15 +289,14 @@ def _target_distribution(name: str | None) -> dict[str, float] | None:
 
 
 def _report_rows(view: RunView) -> list[_Row]:
-    """The winning line of every dataset row, in dataset order, with its current position."""
-    dataset = view.dataset
+    """The winning line of every dataset row, in dataset order, with its current position and id
+    (the run view's, as in trajectories.jsonl)."""
     rows = []
     for key, entry in view.rows.items():
         row = entry.detail
         if row is None:
             continue  # no winner (every line filtered), or read without the report's hook
-        if dataset is not None:
-            row.index = dataset[key]
+        row.index, row.row_id = view.current(key)
         rows.append(row)
     rows.sort(key=lambda r: (r.index, r.key))
     return rows
@@ -525,8 +524,9 @@ def _full_entry(record: dict, row: _Row, files: list[Path], clipper: _Clipper, s
             turns.append([role, None, systems.setdefault(value, len(systems))])
         else:
             turns.append([role, clip(value if value is not None else "")])
-    meta = {k: metadata.get(k) for k in ("row_key", "id", "timestamp", "attempt", "duration_seconds", "model",
+    meta = {k: metadata.get(k) for k in ("row_key", "timestamp", "attempt", "duration_seconds", "model",
                                           "stop_reason", "seed", "run_id") if metadata.get(k) is not None}
+    meta["id"] = row.row_id  # the current dataset's (the run view's), not the committed one
     meta["file"] = f"{files[row.file_no].name}:{row.line_no}"
     if isinstance(metadata.get("usage"), dict):
         meta["usage"] = metadata["usage"]
@@ -599,7 +599,7 @@ def _compact_rows(rows: list[_Row], summary: dict, files: list[Path]) -> dict:
             [tool_id[t] for t, (count, _, _) in (r.tools or {}).items() if count],
             r.turns, r.tool_calls, r.preview,
             None if r.ts is None or start is None else round(r.ts - start, 1),
-            r.file_no, r.line_no, r.entry.attempts, r.error, r.row_id,
+            r.file_no, r.line_no, r.entry.attempts, r.error, _one_line(r.row_id, ID_CHARS),
         ])
     return {
         "fields": ["index", "outcome", "error_class", "toolsets", "tools", "turns", "tool_calls", "preview",

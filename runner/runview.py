@@ -329,6 +329,14 @@ class RunView:
     def entry(self, key: str) -> RowEntry | None:
         return self.rows.get(key)
 
+    def current(self, key: str) -> tuple[int, str]:
+        """A row's position and id in the current dataset (as committed, read without a dataset):
+        what trajectories.jsonl and report.html both carry, so a dataset edit shows in both."""
+        entry = self.rows[key]
+        if self.dataset is None:
+            return entry.prompt_index, entry.row_id
+        return self.dataset[key], self.ids.get(key, "")
+
     def is_committed(self, key: str) -> bool:
         entry = self.rows.get(key)
         return entry is not None and entry.committed
