@@ -184,16 +184,28 @@ def main(
 
 
 def _report_only(output_dir: Any, run_name: Any, report_samples: Any) -> int:
-    """`--report --run_name=NAME`: (re)write report.html from the run's files, start nothing."""
+    """`--report --run_name=NAME`: the end-of-run outputs rebuilt from the run's files (report.html,
+    statistics.json, trajectories.jsonl, so they always agree), under the run lock; nothing run."""
     from runner.config import ReportOptions
-    from runner.report import write_report
+    from runner.finalize import RebuildError, rebuild_outputs
+    from runner.lock import RunLock, RunLockBusy
 
     options = _validated(ReportOptions, output_dir=output_dir, run_name=run_name or "", report_samples=report_samples)
     run_dir = Path(options.output_dir) / options.run_name
     if not (run_dir / "config.json").exists():
         raise UsageError(f"{run_dir} holds no run (no config.json)")
-    path = write_report(run_dir, max_full_conversations=options.report_samples)
-    print(f"📄 Report written to {path}")
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire(print)
+    except RunLockBusy as err:  # a live run rewrites these files itself when it ends
+        raise UsageError(str(err)) from None
+    try:
+        path = rebuild_outputs(run_dir, max_full_conversations=options.report_samples)
+    except RebuildError as err:
+        raise UsageError(str(err)) from None
+    finally:
+        lock.release()
+    print(f"📄 Report written to {path} (statistics.json and trajectories.jsonl rebuilt with it)")
     return EXIT_OK
 
 

@@ -38,6 +38,27 @@ def merge_run(run_dir: Path, key_to_index: Mapping[str, int], log=print, *, ids:
     return view
 
 
+class RebuildError(ValueError):
+    """`--report` cannot rebuild the run's outputs (its dataset cannot be read)."""
+
+
+def rebuild_outputs(run_dir: Path, *, max_full_conversations: int, log=print) -> Path:
+    """`--report`: the end of a run again, nothing run. trajectories.jsonl, statistics.json and
+    report.html are rebuilt together from the batch files and the dataset config.json names, so
+    they agree with each other and with the dataset as it is now. The caller holds the run lock."""
+    from runner.report import dataset_of, report_details, run_config, statistics_of, write_report
+
+    config = run_config(run_dir)[1]
+    dataset, ids = dataset_of(config)
+    if dataset is None:
+        raise RebuildError(
+            f"--report rebuilds the run's outputs against its dataset, and {config.get('dataset_file')!r} "
+            f"(dataset_file in {run_dir / 'config.json'}) cannot be read; put it back and run --report again")
+    view = merge_run(run_dir, dataset, log, ids=ids, detail=report_details())
+    stats = write_statistics(run_dir, statistics_of(run_dir, view))
+    return write_report(run_dir, max_full_conversations=max_full_conversations, view=view, statistics=stats, log=log)
+
+
 def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None:
     target = run_dir / "trajectories.jsonl"
     fd, tmp = tempfile.mkstemp(prefix=".trajectories_", suffix=".tmp", dir=run_dir)

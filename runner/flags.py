@@ -100,7 +100,7 @@ FLAGS: list[Flag] = _flags(
     ("executor", CONFIG, "local (process pool) or ray."),
     ("ray_address", "", "Ray cluster address (auto)."),
     ("sessions_per_node", "", "Sessions per Ray node."),
-    ("report", "", "With --run_name: rewrite report.html from the run's files and exit."),
+    ("report", "", "With --run_name: rebuild report.html, statistics.json and trajectories.jsonl from the run's files (nothing run) and exit."),
     ("report_samples", CONFIG, "Full conversations embedded in report.html."),
     ("price_input_per_mtok", "", "USD per million input tokens, for replies whose endpoint reports no cost."),
     ("price_output_per_mtok", "", "USD per million output tokens (with --price_input_per_mtok)."),

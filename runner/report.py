@@ -190,7 +190,14 @@ def _read_json(path: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _dataset_of(config: dict) -> tuple[dict[str, int] | None, dict[str, str]]:
+def run_config(run_dir: Path) -> tuple[dict, dict]:
+    """config.json of a run and its "config" part ({} for what cannot be read)."""
+    config_file = _read_json(run_dir / "config.json") or {}
+    config = config_file.get("config") if isinstance(config_file.get("config"), dict) else {}
+    return config_file, config
+
+
+def dataset_of(config: dict) -> tuple[dict[str, int] | None, dict[str, str]]:
     """The rows of the dataset config.json names, as it is now (None, {} when it cannot be read)."""
     from runner.dataset import DatasetError, scan_dataset
 
@@ -204,20 +211,14 @@ def _dataset_of(config: dict) -> tuple[dict[str, int] | None, dict[str, str]]:
     return scan.key_to_index, scan.ids
 
 
-def read_view(run_dir: Path, dataset: dict[str, int] | None = None, ids: dict[str, str] | None = None,
-              log=lambda _: None) -> tuple[RunView, dict]:
-    """`--report` on its own: the run view and its statistics, as the runner's merge makes them,
-    against `dataset` or else the dataset config.json names (without either, every row in the
-    files counts and "not run" is unknown)."""
+def statistics_of(run_dir: Path, view: RunView) -> dict:
+    """statistics.json for a view read outside a run (`--report`), with the settings config.json
+    (or else the last statistics.json) names; rows_this_run stays the last invocation's."""
     from runner.finalize import build_statistics, run_time
 
-    config_file = _read_json(run_dir / "config.json") or {}
-    config = config_file.get("config") if isinstance(config_file.get("config"), dict) else {}
+    config_file, config = run_config(run_dir)
     statistics = _read_json(run_dir / "statistics.json") or {}
-    if dataset is None:
-        dataset, ids = _dataset_of(config)
-    files = batch_files(run_dir) if run_dir.is_dir() else []
-    view = read_run(files, RunView(dataset, ids=ids, detail=_make_row, log=log))
+    dataset = view.dataset
     invocations = config_file.get("invocations") if isinstance(config_file.get("invocations"), list) else []
     stats = build_statistics(
         view, run_name=str(config.get("run_name") or statistics.get("run_name") or run_dir.name),
@@ -231,7 +232,20 @@ def read_view(run_dir: Path, dataset: dict[str, int] | None = None, ids: dict[st
     if dataset is None:
         stats["total_prompts"] = None
         stats["outcomes"]["not_run"] = None
-    return view, stats
+    return stats
+
+
+def read_view(run_dir: Path, dataset: dict[str, int] | None = None, ids: dict[str, str] | None = None,
+              log=lambda _: None) -> tuple[RunView, dict]:
+    """The run view and its statistics, as the runner's merge makes them, against `dataset` or
+    else the dataset config.json names (without either, every row in the files counts and
+    "not run" is unknown). Writes nothing: the CLI's `--report` rebuilds statistics.json and
+    trajectories.jsonl too (runner.finalize.rebuild_outputs)."""
+    if dataset is None:
+        dataset, ids = dataset_of(run_config(run_dir)[1])
+    files = batch_files(run_dir) if run_dir.is_dir() else []
+    view = read_run(files, RunView(dataset, ids=ids, detail=_make_row, log=log))
+    return view, statistics_of(run_dir, view)
 
 
 def _rate(success: int, failure: int) -> float:
@@ -304,8 +318,7 @@ def _report_rows(view: RunView) -> list[_Row]:
 
 def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> dict:
     """What the page shows: the counts of `stats` (statistics.json) and the charts over `rows`."""
-    config_file = _read_json(run_dir / "config.json") or {}
-    config = config_file.get("config") if isinstance(config_file.get("config"), dict) else {}
+    config_file, config = run_config(run_dir)
     stats_path = run_dir / "statistics.json"
     saved = _read_json(stats_path)
 

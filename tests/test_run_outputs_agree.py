@@ -49,3 +49,55 @@ def test_report_ids_are_the_current_datasets_after_an_edit(tmp_path, model_serve
     rows = _embedded(run, "rows-data")
     assert [r[rows["fields"].index("index")] for r in rows["rows"]] == [0, 1, 2]
     assert _report_ids(run) == (["y", "z", "new"], ["y", "z", "new"])
+
+
+def _assert_report_is_statistics(run: Path) -> dict:
+    stats = json.loads((run / "statistics.json").read_text())
+    summary = _embedded(run, "summary-data")
+    for key in ("outcomes", "failed_by_class", "retried_rows", "tokens", "cost", "spend", "requests", "api_calls",
+                "total_prompts"):
+        assert summary[key] == stats[key], key
+    assert summary["files"]["stale_rows"] == stats["stale_rows"]
+    return stats
+
+
+def test_report_after_a_dataset_edit_rebuilds_statistics_and_trajectories(tmp_path, model_server, remote_args):
+    from runner.lock import RunLock
+
+    rows = [{"prompt": f"Question {i}.", "id": f"q{i}"} for i in range(4)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _run(tmp_path, dataset, remote_args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = tmp_path / "data" / "r"
+    assert _assert_report_is_statistics(run)["outcomes"]["ok"] == 4
+
+    # A row leaves, one is added (never run), an id changes; then only --report.
+    write_jsonl(dataset, [rows[0], {"prompt": "Question 1.", "id": "renamed"}, rows[3], {"prompt": "New.", "id": "n"}])
+    proc = run_cli(["--report", "--run_name=r"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stats = _assert_report_is_statistics(run)
+    assert stats["outcomes"]["ok"] == 3 and stats["outcomes"]["not_run"] == 1 and stats["stale_rows"] == 1
+    assert stats["total_prompts"] == 4
+    kept = read_jsonl(run / "trajectories.jsonl")
+    assert [(t["prompt_index"], t["metadata"]["id"]) for t in kept] == [(0, "q0"), (1, "renamed"), (2, "q3")]
+
+    # While a run holds the lock, --report refuses and changes nothing.
+    before = {name: (run / name).read_bytes() for name in ("statistics.json", "trajectories.jsonl", "report.html")}
+    write_jsonl(dataset, rows)
+    lock = RunLock(run)
+    lock.acquire(lambda _: None)
+    try:
+        proc = run_cli(["--report", "--run_name=r"], tmp_path)
+    finally:
+        lock.release()
+    assert proc.returncode == 1 and "in use by another batch_runner" in proc.stderr, proc.stdout + proc.stderr
+    assert {name: (run / name).read_bytes() for name in before} == before
+
+
+def test_report_refuses_when_the_dataset_cannot_be_read(tmp_path, model_server, remote_args):
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Question.", "id": "q"}])
+    assert _run(tmp_path, dataset, remote_args).returncode == 0
+    dataset.unlink()
+    proc = run_cli(["--report", "--run_name=r"], tmp_path)
+    assert proc.returncode == 1 and "cannot be read" in proc.stderr and str(dataset) in proc.stderr, proc.stderr
+    assert _assert_report_is_statistics(tmp_path / "data" / "r")["outcomes"]["ok"] == 1
