@@ -81,10 +81,15 @@ class RunLock:
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                kernel_lock = True
             except BlockingIOError:
                 record, _ = read_record(self.path)
                 raise RunLockBusy(self._busy_message(record, "")) from None
-            self._check_record(log)
+            except OSError as err:  # NFS emulates flock with POSIX locks, which refuse a read-only fd
+                kernel_lock = False
+                log(f"ℹ️  {self.run_dir}: no kernel lock on this file system ({err.strerror}); "
+                    f"the lock record alone guards the run (its {self.lease:g}s lease)")
+            self._check_record(log, kernel_lock)
         except BaseException:
             os.close(fd)  # closing the descriptor releases the kernel lock too
             raise
@@ -95,9 +100,10 @@ class RunLock:
         self._thread = threading.Thread(target=self._keep_fresh, name="abr-run-lock", daemon=True)
         self._thread.start()
 
-    def _check_record(self, log) -> None:
+    def _check_record(self, log, kernel_lock: bool = True) -> None:
         """We hold the kernel lock. A record of this machine is then stale whatever its PID says;
-        a record of another machine is honoured until its lease runs out."""
+        a record of another machine is honoured until its lease runs out (without a kernel lock,
+        a record of this machine too)."""
         record, problem = read_record(self.path)
         if problem:
             log(f"ℹ️  Taking over the lock: its record {self.path} cannot be read ({problem})")
@@ -105,7 +111,7 @@ class RunLock:
         if not record or record.get("held") is not True:
             return
         pid = record.get("pid", "?")
-        if same_kernel(record):
+        if kernel_lock and same_kernel(record):
             log(f"ℹ️  Taking over the lock of a runner that is gone (PID {pid}; the kernel lock was free)")
             return
         refreshed_at = record.get("refreshed_at")

@@ -222,3 +222,29 @@ def test_a_lock_record_that_is_no_time_does_not_block_the_cli(model_server, tmp_
     assert proc.returncode == 0, proc.stderr
     assert "Fatal error" not in proc.stderr
     assert "its refresh time 'abc' is not a time" in proc.stdout
+
+
+def test_without_a_kernel_lock_on_the_directory_the_record_alone_guards_the_run(tmp_path, monkeypatch):
+    """NFS emulates flock with POSIX locks, which refuse an exclusive lock on a read-only fd (EBADF)."""
+    import errno
+
+    from runner import lock as lock_module
+    from runner.lock import RunLock, RunLockBusy
+
+    def no_flock(fd, operation):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(lock_module.fcntl, "flock", no_flock)
+    _record(tmp_path, pid=4242)  # a live runner of this machine, refreshed just now
+    lines: list[str] = []
+    with pytest.raises(RunLockBusy, match="PID 4242"):
+        RunLock(tmp_path).acquire(log=lines.append)
+    assert "no kernel lock on this file system" in lines[0]
+
+    _record(tmp_path, pid=4242, refreshed_at=time.time() - 600)  # stale: taken over
+    lock = RunLock(tmp_path)
+    lock.acquire(log=lines.append)
+    try:
+        assert "stale lock of PID 4242" in lines[-1]
+    finally:
+        lock.release()
