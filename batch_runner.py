@@ -962,6 +962,13 @@ def text_flags() -> set[str]:
     return {name for name, p in inspect.signature(main).parameters.items() if p.annotation in ("str", str)}
 
 
+def bool_flags() -> set[str]:
+    """main()'s parameters that are on or off (their value must be one of runner.flags.BOOL_WORDS)."""
+    import inspect
+
+    return {name for name, p in inspect.signature(main).parameters.items() if p.annotation in ("bool", bool)}
+
+
 def cli(argv: list[str] | None = None) -> None:
     if argv is None:  # the real command line: keys leave our environment and argv first (may re-exec)
         from runner.secrets import protect_process_secrets
@@ -977,7 +984,7 @@ def cli(argv: list[str] | None = None) -> None:
         raise SystemExit(EXIT_OK)
     strings = text_flags()
     try:
-        check_argv(argv, strings)  # before fire: main() exits before fire would see a leftover flag
+        argv = check_argv(argv, strings, bool_flags())  # before fire: main() exits before fire would see a leftover flag
     except FlagError as err:
         print(f"❌ Error: {err}", file=sys.stderr)
         raise SystemExit(EXIT_ERROR) from None

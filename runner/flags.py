@@ -114,7 +114,8 @@ FLAG_NAMES = [flag.name for flag in FLAGS]
 USAGE = (
     "usage: python batch_runner.py --dataset_file=FILE --batch_size=N --run_name=NAME [--flag=value ...]\n\n"
     "Run every prompt of a JSONL dataset through a tool-using agent and collect ShareGPT trajectories.\n"
-    "Flags are written --flag=value or --flag value; a bare --flag is true and --noflag false.\n"
+    "Flags are written --flag=value or --flag value; a bare --flag is true and --noflag false;\n"
+    "an on/off flag's value is true/false, yes/no, on/off or 1/0.\n"
     "README.md explains each flag further.\n"
     "Exit codes: 0 done, 1 bad input, 2 rows left, 3 provider stop, 4 cost budget, 5 storage error, 130 interrupted."
 )
@@ -158,17 +159,36 @@ def _unknown(arg: str, key: str) -> FlagError:
     return FlagError(f"unknown flag {arg.split('=', 1)[0]}{hint} (python batch_runner.py --help lists the flags)")
 
 
-def check_argv(argv: list[str], text_flags: set[str]) -> None:
-    """Raise FlagError for the first argument fire would not bind to one of FLAGS.
+# The words a boolean flag's value may be (any case), and what they mean. fire alone would make
+# any other text true ("--overwrite=no" deleting the outputs), so anything else is refused.
+BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True,
+              "false": False, "no": False, "off": False, "0": False}
+
+
+def _bool_value(key: str, value: str) -> bool:
+    meaning = BOOL_WORDS.get(value.strip().lower())
+    if meaning is None:
+        raise FlagError(f"--{key} is on or off, not {value!r}: write --{key}, --no{key} or "
+                        f"--{key}=true/false (yes/no, on/off, 1/0)")
+    return meaning
+
+
+def check_argv(argv: list[str], text_flags: set[str], bool_flags: set[str] = frozenset()) -> list[str]:
+    """Raise FlagError for the first argument fire would not bind to one of FLAGS; return argv
+    with each boolean flag rewritten as fire's bare `--flag` or `--noflag`.
 
     `text_flags` are the flags whose value is text: they need a value (a bare `--run_name`
-    would otherwise become the name "True"). Arguments after a lone `--` are fire's own.
+    would otherwise become the name "True"). `bool_flags` take a bare `--flag`, `--noflag` or one
+    of BOOL_WORDS as value. A lone `--` is refused like a stray word: fire would take what follows
+    as its own options and the run would silently ignore them (we use none of fire's options).
     """
+    checked: list[str] = []
     index = 0
     while index < len(argv):
         arg = argv[index]
         if arg == "--":
-            return
+            raise FlagError("unexpected argument '--': everything is a flag, written --flag=value "
+                            "(nothing after '--' would be used; see --help)")
         if not _is_flag(arg):
             raise FlagError(f"unexpected argument {arg!r}: flags are written --flag=value (see --help)")
         if not arg.startswith("--"):
@@ -179,9 +199,16 @@ def check_argv(argv: list[str], text_flags: set[str]) -> None:
         bare = not has_value and (index + 1 == len(argv) or _is_flag(argv[index + 1]))
         if key not in FLAG_NAMES:
             if bare and key.startswith("no") and key[2:] in FLAG_NAMES and key[2:] not in text_flags:
+                checked.append(arg)
                 index += 1
                 continue
             raise _unknown(arg, key)
         if bare and key in text_flags:
             raise FlagError(f"--{key} needs a value: --{key}=VALUE")
+        if key in bool_flags and not bare:
+            value = body.split("=", 1)[1] if has_value else argv[index + 1]
+            checked.append(f"--{key}" if _bool_value(key, value) else f"--no{key}")
+        else:
+            checked.extend(argv[index:index + (1 if (has_value or bare) else 2)])
         index += 1 if (has_value or bare) else 2
+    return checked

@@ -62,6 +62,52 @@ def test_every_fire_spelling_of_a_real_flag_is_accepted(tmp_path):
     assert len(read_jsonl(tmp_path / "data" / "spelled" / "trajectories.jsonl")) == 2
 
 
+@pytest.mark.parametrize("extra, flag", [
+    (["--overwrite=no"], "--overwrite"), (["--overwrite=maybe"], "--overwrite"),
+    (["--resume=nope"], "--resume"), (["--verbose=maybe"], "--verbose"), (["--verbose", "2"], "--verbose"),
+])
+def test_a_boolean_flag_refuses_a_value_that_is_not_on_or_off(tmp_path, extra, flag):
+    """Issue 14 H1: fire made any text true, so --overwrite=no deleted the run's outputs."""
+    data = _dataset(tmp_path)
+    common = [f"--dataset_file={data}", "--batch_size=2", "--run_name=r", "--model=mock", "--distribution=minimal"]
+    assert run_cli(common, tmp_path).returncode == 0
+    trajectories = tmp_path / "data" / "r" / "trajectories.jsonl"
+    before = trajectories.read_bytes()
+    proc = run_cli(common + extra, tmp_path)
+    if extra == ["--overwrite=no"]:  # a word that means off: the run exists, so it is refused as without --overwrite
+        assert "removed the earlier outputs" not in proc.stdout + proc.stderr
+        assert proc.returncode == 1, proc.stderr
+    else:
+        assert proc.returncode == 1, proc.stderr
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and flag in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert trajectories.read_bytes() == before
+
+
+def test_boolean_flag_words_mean_what_they_say(tmp_path):
+    data = _dataset(tmp_path)
+    common = [f"--dataset_file={data}", "--batch_size=2", "--run_name=w", "--model=mock", "--distribution=minimal"]
+    assert run_cli(common + ["--verbose=OFF", "--resume=false"], tmp_path).returncode == 0
+    for off in (["--resume=no", "--overwrite=0"], ["--resume", "Off"], ["--noresume", "--overwrite=FALSE"]):
+        proc = run_cli(common + off, tmp_path)
+        assert proc.returncode == 1 and "removed the earlier outputs" not in proc.stdout, (off, proc.stdout, proc.stderr)
+    proc = run_cli(common + ["--resume=Yes"], tmp_path)
+    assert proc.returncode == 0 and "removed the earlier outputs" not in proc.stdout, proc.stderr
+    proc = run_cli(common + ["--overwrite=ON"], tmp_path)
+    assert proc.returncode == 0 and "removed the earlier outputs" in proc.stdout + proc.stderr, proc.stderr
+
+
+def test_a_double_dash_and_what_follows_it_are_refused(tmp_path):
+    """Issue 14 H2: after '--' fire took the flags as its own, and the run ignored them."""
+    data = _dataset(tmp_path)
+    proc = run_cli([f"--dataset_file={data}", "--batch_size=1", "--run_name=dd", "--model=mock", "--",
+                    "--max_samples=1", "--num_workers=1"], tmp_path)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "'--'" in lines[0], proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
 @pytest.mark.parametrize("name", ["1e3", "0x10", "1_000", "007", "True", "None"])
 def test_run_names_are_text_as_typed(tmp_path, name):
     data = _dataset(tmp_path)
