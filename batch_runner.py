@@ -362,6 +362,21 @@ def _count_lines(path: str, stop_at: int) -> int:
     return lines + (last != b"\n")
 
 
+def _refuse_run_while_a_worker_imports_the_script() -> None:
+    """A script that calls run() without `if __name__ == "__main__":` calls it again in every
+    process multiprocessing starts (forkserver and spawn import the script as `__mp_main__`);
+    say so here instead of leaving rows "worker process died"."""
+    import multiprocessing
+
+    main_module = getattr(sys.modules.get("__main__"), "__name__", "__main__")
+    if (multiprocessing.parent_process() is not None or multiprocessing.current_process().name != "MainProcess"
+            or main_module == "__mp_main__"):
+        raise RuntimeError(
+            'BatchRunner.run() was called while a worker process imported your script: start the run under '
+            '`if __name__ == "__main__":` (the workers import the script again; see README, Python API)'
+        )
+
+
 class BatchRunner:
     """Owns the run directory for one invocation: validate, resume, dispatch, commit, finalize.
 
@@ -405,6 +420,7 @@ class BatchRunner:
 
     def run(self, resume: bool | None = None) -> int:
         """Run (or, with resume=True, continue) the run; returns the exit code (0 every row done)."""
+        _refuse_run_while_a_worker_imports_the_script()
         if resume is not None:
             self.resume = bool(resume)
         from runner.dataset import DatasetError, scan_dataset

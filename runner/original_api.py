@@ -51,18 +51,29 @@ def config_from_original(keywords: dict[str, Any]):
     given = {**ORIGINAL_DEFAULTS, **keywords}
     if given.pop("openrouter_min_coding_score") is not None:
         raise batch_runner.UsageError("openrouter_min_coding_score is not supported (no pareto-router plugin)")
+    for original, ours in (("max_iterations", "max_turns"), ("reasoning_config", "reasoning_effort"),
+                           ("reasoning_config", "reasoning_disabled"), ("prefill_messages", "prefill_messages_file")):
+        if keywords.get(original) is not None and keywords.get(ours) is not None:
+            # Two spellings of one setting: which one wins would be a guess, so neither does.
+            raise batch_runner.UsageError(f"BatchRunner() got both {original} and {ours}: they set the same "
+                                          f"thing, give one of them")
     reasoning = given.pop("reasoning_config")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise batch_runner.UsageError(f"reasoning_config must be a dict such as {{'effort': 'high'}} (got {reasoning!r})")
-    prefill = given.pop("prefill_messages") or []
-    if not isinstance(prefill, list) or not all(
+    prefill = given.pop("prefill_messages")
+    if prefill is not None and not (isinstance(prefill, list) and all(
         isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
         for m in prefill
-    ):
+    )):
         raise batch_runner.UsageError("prefill_messages must be a list of {'role', 'content'} dicts")
     # A flag the script leaves out (or gives as None, like the original's base_url) keeps the CLI's default.
-    flags = {"max_turns": given.pop("max_iterations"), **given}
+    max_iterations = given.pop("max_iterations")
+    flags = {**given, "max_turns": keywords.get("max_turns", max_iterations)}
     config = batch_runner.build_config(**flags)
-    config.reasoning = reasoning
-    config.prefill_messages = prefill
+    # The original's keywords replace only what build_config made of our flags when they are given:
+    # reasoning_effort=, reasoning_disabled= and prefill_messages_file= are kept otherwise.
+    if reasoning is not None:
+        config.reasoning = reasoning
+    if prefill is not None:
+        config.prefill_messages = prefill
     return config

@@ -73,3 +73,56 @@ def test_original_defaults_and_bad_keywords(tmp_path):
     assert "DEFAULTS claude-opus-4-20250514 10 4 https://openrouter.ai/api/v1 default" in proc.stdout
     assert "OURS elsewhere/r 3" in proc.stdout
     assert "TYPEERROR BatchRunner() got unexpected keyword argument(s): max_turns_typo" in proc.stdout
+
+
+def test_our_flags_as_keywords_reach_the_request(tmp_path, model_server):
+    """Issue 14 M1: reasoning_effort= and prefill_messages_file= were printed, then dropped."""
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Plain question?"}])
+    (tmp_path / "prefill.json").write_text(json.dumps([{"role": "user", "content": "FROM-FILE"}]), encoding="utf-8")
+    proc = _script(tmp_path, f"""
+        code = BatchRunner(dataset_file="d.jsonl", batch_size=1, run_name="kw", distribution="minimal",
+                           max_iterations=2, base_url={model_server.base_url!r}, api_key={SECRET_KEY!r},
+                           model="test-model", reasoning_effort="high", prefill_messages_file="prefill.json").run()
+        print("CODE", code)
+        for both in ({{"max_iterations": 2, "max_turns": 7}}, {{"reasoning_config": {{"effort": "low"}}, "reasoning_disabled": True}},
+                     {{"prefill_messages": [], "prefill_messages_file": "prefill.json"}}):
+            try:
+                BatchRunner(dataset_file="d.jsonl", batch_size=1, run_name="kw2", model="mock", **both)
+            except Exception as err:
+                print("REFUSED", type(err).__name__, err)
+    """)
+    assert "CODE 0" in proc.stdout, proc.stdout + proc.stderr
+    chat = [r for r in model_server.requests if r.path.endswith("/chat/completions")]
+    assert chat
+    for request in chat:
+        assert request.body["reasoning"]["effort"] == "high"
+        assert {"role": "user", "content": "FROM-FILE"} in request.body["messages"]
+    config = json.loads((tmp_path / "data" / "kw" / "config.json").read_text())["config"]
+    assert config["max_turns"] == 2
+    assert "REFUSED UsageError BatchRunner() got both max_iterations and max_turns" in proc.stdout
+    assert "got both reasoning_config and reasoning_disabled" in proc.stdout
+    assert "got both prefill_messages and prefill_messages_file" in proc.stdout
+
+
+def test_reasoning_disabled_keyword_reaches_the_request(tmp_path, model_server):
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Plain question?"}])
+    proc = _script(tmp_path, f"""
+        print("CODE", BatchRunner(dataset_file="d.jsonl", batch_size=1, run_name="rd", distribution="minimal",
+                                  base_url={model_server.base_url!r}, api_key={SECRET_KEY!r}, model="test-model",
+                                  reasoning_disabled=True).run())
+    """)
+    assert "CODE 0" in proc.stdout, proc.stdout + proc.stderr
+    chat = [r for r in model_server.requests if r.path.endswith("/chat/completions")]
+    assert chat and all(r.body["reasoning"]["effort"] == "none" for r in chat)
+
+
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
+    """Issue 14 M2: the workers import the script again; without the guard they died unexplained."""
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Plain question?"}])
+    script = tmp_path / "unguarded.py"
+    script.write_text('from batch_runner import BatchRunner\n'
+                      'BatchRunner(dataset_file="d.jsonl", batch_size=1, run_name="ng", model="mock",\n'
+                      '            distribution="minimal", num_workers=1).run()\n', encoding="utf-8")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+    assert 'if __name__ == "__main__":' in proc.stdout + proc.stderr, proc.stdout + proc.stderr
