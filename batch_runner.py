@@ -721,7 +721,8 @@ class BatchRunner:
         from runner.status import LiveSpend, RunMonitor
 
         config = self.config
-        spend = LiveSpend(scope=config.max_cost_scope)  # the scope decides what the budget counts
+        # the scope decides what the budget counts; only a budget counts unknown costs at the mean
+        spend = LiveSpend(scope=config.max_cost_scope, estimate_unknown=config.max_cost is not None)
         before = store.spent()  # what earlier invocations committed, kept by the run view
         spend.known_cost_before, spend.known_attempts_before, spend.unknown_attempts_before = (
             before.cost, before.priced, before.unpriced)

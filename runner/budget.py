@@ -120,13 +120,15 @@ class Budget:
                     "enforced.\n   To continue: run again with --resume and --price_input_per_mtok / "
                     "--price_output_per_mtok (USD per million tokens).")
         where = "across this run's invocations" if scope == "run" else "in this invocation"
-        lines = [f"💸 Stopped at the cost budget: ${spent:.4f} spent {where} of --max_cost=${self.limit:g}."]
+        about = " (an estimate)" if self.spend.estimated_attempts else ""
+        lines = [f"💸 Stopped at the cost budget: ${spent:.4f}{about} spent {where} of --max_cost=${self.limit:g}."]
         if self.cancelled:
             lines.append(f"   {self.cancelled} row(s) in flight were cancelled (--max_cost_hard); they were not "
                          "committed and run again on resume; what they had spent (about "
                          f"${self.cancelled_estimate:.4f} by estimate) is not in these figures.")
         if self.spend.estimated_attempts:
-            lines.append(f"   {self.spend.estimated_attempts} attempt(s) reported no cost and were counted at the mean.")
+            lines.append(f"   {self.spend.estimated_attempts} attempt(s) reported no cost and were counted at the mean "
+                         "attempt cost (the budget must decide; statistics.json says the cost is unknown).")
         hint = f"; the forecast for every row is up to ${forecast_high:.4f}" if forecast_high else ""
         lines.append(f"   To continue: run the same command with --resume --max_cost=HIGHER (more than {spent:.4f}{hint}).")
         return "\n".join(lines)

@@ -1,9 +1,10 @@
 """Watching a run: live spend, the forecast, the console's spend line and `<run>/status.json`.
 
 Everything here is fed by the parent's commit loop (never by reading files back), so it costs a few
-additions per committed row. Spend is what committed attempts cost, kept or not: an attempt whose
-cost is unknown (no reported cost, no price) is counted as such, and a run with no known cost at
-all says "unknown", never $0.
+additions per committed row. Spend is what committed attempts cost, kept or not. When an attempt's
+cost is unknown (no reported cost, no price), the total is unknown ("at least" the known part),
+never $0 and never a guess; only under a budget (--max_cost) is such an attempt counted at the
+mean attempt cost, for the budget's decision, and every figure made so is labelled an estimate.
 
 status.json is rewritten atomically every few seconds while the run lives and once more at its end
 (README "status.json" has the format); after each invocation its last state is also appended to
@@ -32,6 +33,9 @@ class LiveSpend:
     """Committed spend in attempts; `*_before` come from earlier invocations of the run."""
 
     scope: str = "run"  # run | invocation: what `budget_cost` covers
+    # Under a budget, attempts without a cost count at the mean attempt cost in every total (and
+    # the figures say they are an estimate); without one, a total with such attempts is unknown.
+    estimate_unknown: bool = False
     known_cost_before: float = 0.0
     known_attempts_before: int = 0  # attempts that reached the model and have a known cost
     unknown_attempts_before: int = 0  # attempts that reached the model with no known cost
@@ -64,28 +68,38 @@ class LiveSpend:
 
     @property
     def estimated_attempts(self) -> int:
-        """Attempts without a known cost that the totals count at the mean attempt cost."""
+        """Attempts of the whole run without a known cost (under a budget: counted at the mean)."""
         return self.unknown_attempts + self.unknown_attempts_before
 
-    def _total(self, before: bool) -> float | None:
+    def _total(self, before: bool, estimate: bool) -> float | None:
         known = self.known_cost + (self.known_cost_before if before else 0.0)
         unknown = self.unknown_attempts + (self.unknown_attempts_before if before else 0)
         if not unknown:
             return known
-        mean = self.mean_attempt_cost()
+        mean = self.mean_attempt_cost() if estimate else None
         return None if mean is None else known + unknown * mean
 
     def total(self) -> float | None:
-        """Spend of the whole run (every invocation); None when nothing of it could be priced."""
-        return self._total(before=True)
+        """Spend of the whole run (every invocation); None when it is unknown (an attempt without a
+        cost, and no budget, or nothing to estimate it by)."""
+        return self._total(before=True, estimate=self.estimate_unknown)
+
+    def known_total(self) -> float:
+        """The known part of the run's spend: a lower bound when some attempts have no cost."""
+        return self.known_cost + self.known_cost_before
+
+    @property
+    def is_estimate(self) -> bool:
+        """Do the totals count attempts without a cost at the mean?"""
+        return self.estimate_unknown and self.estimated_attempts > 0
 
     def this_invocation(self) -> float | None:
-        return self._total(before=False)
+        return self._total(before=False, estimate=self.estimate_unknown)
 
     def budget_cost(self) -> float | None:
-        """What the budget compares with its limit; None when attempts without a cost cannot even be
-        estimated (no attempt has a known cost)."""
-        return self._total(before=self.scope == "run")
+        """What the budget compares with its limit (attempts without a cost at the mean: the budget
+        must decide); None when they cannot even be estimated (no attempt has a known cost)."""
+        return self._total(before=self.scope == "run", estimate=True)
 
     def attempt_spread(self) -> float | None:
         """Standard deviation of this invocation's known attempt costs (None below 2 attempts)."""
@@ -273,7 +287,9 @@ class RunMonitor:
             "rate_rows_per_second": _round(rate, 4),
             "eta_seconds": round(left_this_run / rate, 1) if rate and state == "running" else None,
             "spend": {
-                "total_usd": _round(total),
+                "total_usd": _round(total),  # null: unknown (an attempt without a cost, no budget)
+                "known_usd": _round(spend.known_total()),  # the known part: at least this much
+                "estimated": spend.is_estimate,  # totals count attempts without a cost at the mean
                 "this_invocation_usd": _round(spend.this_invocation()),
                 "per_kept_row_usd": _round(outlook.per_kept_row) if outlook else None,
                 "attempts_priced": spend.known_attempts + spend.known_attempts_before,
@@ -299,9 +315,15 @@ class RunMonitor:
     def spend_line(self, snapshot: dict | None = None) -> str:
         s = snapshot or self.snapshot("running")
         spend, rows, outlook = s["spend"], s["rows"], s["forecast"]
-        if spend["total_usd"] is None:
+        if spend["total_usd"] is None and not spend["attempts_priced"]:
             return "💰 Spend: unknown (the endpoint reports no cost and no --price_* flags were given)"
-        text = f"💰 Spent {money(spend['total_usd'])}"
+        if spend["total_usd"] is None:
+            text = (f"💰 Spent at least {money(spend['known_usd'])} (total unknown: "
+                    f"{spend['attempts_unpriced']} attempt(s) without a cost)")
+        elif spend["estimated"]:
+            text = f"💰 Spent about {money(spend['total_usd'])} (estimate)"
+        else:
+            text = f"💰 Spent {money(spend['total_usd'])}"
         if spend["per_kept_row_usd"] is not None:
             text += f" ({money(spend['per_kept_row_usd'])} per kept row)"
         if outlook is not None and rows["remaining"]:
@@ -312,8 +334,9 @@ class RunMonitor:
             text += f"; {s['rate_rows_per_second']:.2f} rows/s"
         if s["eta_seconds"] is not None:
             text += f", ETA {duration_text(s['eta_seconds'])}"
-        if spend["attempts_unpriced"]:
-            text += f" [{spend['attempts_unpriced']} attempt(s) without a cost, counted at the mean]"
+        if spend["estimated"]:
+            text += (f" [estimate: {spend['attempts_unpriced']} attempt(s) without a cost counted at the mean "
+                     "attempt cost, for --max_cost]")
         return text
 
     def write_status(self, state: str) -> dict:

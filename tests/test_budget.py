@@ -98,7 +98,7 @@ def test_budget_without_any_estimate_lets_the_first_wave_start():
 
 
 def test_unpriced_attempts_count_at_the_mean_or_make_the_total_unknown():
-    spend = LiveSpend()
+    spend = LiveSpend(estimate_unknown=True)  # under a budget (tests/test_unknown_cost.py: without one)
     spend.add({"requests": 1}, 1.0)
     assert spend.total() is None and spend.budget_cost() is None
     budget = Budget(1.0, hard=False, spend=spend)  # e.g. OpenRouter stopped reporting usage.cost
