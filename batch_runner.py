@@ -443,7 +443,7 @@ class BatchRunner:
         try:
             try:
                 scan = scan_dataset(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
-                                    sandboxed=config.tools.sandbox == "bwrap")
+                                    cwd_error=self._cwd_rule())
             except DatasetError as err:
                 raise UsageError(str(err)) from None
             if scan.errors:
@@ -739,7 +739,7 @@ class BatchRunner:
             if os.stat(scan.path).st_mtime_ns == scan.mtime_ns and os.stat(scan.path).st_size == scan.size:
                 return scan
             fresh = scan_dataset(scan.path, self.config.max_samples, require_image=self._rows_need_image(),
-                                 sandboxed=self.config.tools.sandbox == "bwrap")
+                                 cwd_error=self._cwd_rule())
         except (OSError, DatasetError) as err:
             self.log(f"⚠️  Could not read the dataset again ({err}); merging against it as it was at the start")
             return scan
@@ -794,9 +794,18 @@ class BatchRunner:
 
         config = self.config
         for row in iter_rows(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
-                             sandboxed=config.tools.sandbox == "bwrap"):
+                             cwd_error=self._cwd_rule()):
             if not store.is_committed(row.key):
                 yield Task.of(row, attempt=store.failures(row.key) + 1, run_id=config.tools.run_id, seed=config.seed)
+
+    def _cwd_rule(self):
+        """The backend's rule for a row's cwd (Backend.cwd_error): a row it refuses is an invalid line."""
+        import functools
+
+        from tools.environments import backend_class
+
+        tools = self.config.tools
+        return functools.partial(backend_class(tools.terminal_env).cwd_error, settings=tools)
 
     def _rows_need_image(self) -> bool:
         """A row naming no image is invalid (found before any cost) when the backend says so and

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import orjson
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError, field_validator
@@ -120,17 +120,8 @@ def content_hash(prompt: str, image: str | None, cwd: str | None) -> str:
 
 
 _BOM = b"\xef\xbb\xbf"
+CwdRule = Callable[[str], "str | None"]  # a row's cwd -> why the backend cannot use it, or None
 NO_IMAGE = "no 'image' (or 'docker_image') field: --terminal_env=docker needs one per row, or pass --docker_image"
-
-
-def sandbox_cwd_error(cwd: str | None) -> str | None:
-    """Under --sandbox=bwrap a row's cwd is bind-mounted writable: an absolute path ("/") would make
-    the host writable, so it must be a folder inside the sandbox's own working directory."""
-    if cwd is None:
-        return None
-    if cwd.startswith("/") or ".." in cwd.split("/"):
-        return f"'cwd' must be a relative path without '..' under --sandbox=bwrap (a folder in the sandbox's own workdir), got {cwd!r}"
-    return None
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -144,17 +135,18 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def _walk(
-    path: Path, max_samples: int | None, require_image: bool = False, sandboxed: bool = False
+    path: Path, max_samples: int | None, require_image: bool = False, cwd_error: CwdRule | None = None
 ) -> Iterator[tuple[int, bytes, DatasetRow | None, str | None, str | None]]:
     """(line_no, raw, row, error, key) for every non-blank line up to max_samples valid rows.
-    With `require_image`, a row that names no image is invalid (it could only fail later)."""
+    With `require_image`, a row that names no image is invalid (it could only fail later);
+    `cwd_error` is the backend's rule for a row's cwd (Backend.cwd_error): a cwd it refuses is too."""
     occurrences: dict[str, int] = {}
     valid = 0
     for line_no, raw in _lines(path):
         row, error = _parse_line(raw)
         if row is not None and require_image and not (row.image or row.docker_image):
             row, error = None, NO_IMAGE
-        if row is not None and sandboxed and (problem := sandbox_cwd_error(row.cwd)):
+        if row is not None and row.cwd is not None and cwd_error and (problem := cwd_error(row.cwd)):
             row, error = None, problem
         key = None
         if row is not None:
@@ -169,7 +161,7 @@ def _walk(
 
 
 def scan_dataset(
-    path: str | Path, max_samples: int | None = None, require_image: bool = False, sandboxed: bool = False
+    path: str | Path, max_samples: int | None = None, require_image: bool = False, cwd_error: CwdRule | None = None
 ) -> DatasetScan:
     """Validate the whole file. Raises DatasetError if it is missing or has no valid row.
     `require_image`: every row must name its container image (docker, no --docker_image)."""
@@ -178,7 +170,7 @@ def scan_dataset(
         raise DatasetError(f"Dataset file not found: {path}")
     stat = path.stat()
     scan = DatasetScan(path=path, mtime_ns=stat.st_mtime_ns, size=stat.st_size)
-    for line_no, _raw, row, error, key in _walk(path, max_samples, require_image, sandboxed):
+    for line_no, _raw, row, error, key in _walk(path, max_samples, require_image, cwd_error):
         if row is None:
             scan.errors.append((line_no, error or "invalid"))
             continue
@@ -194,11 +186,11 @@ def scan_dataset(
 
 
 def iter_rows(
-    path: str | Path, max_samples: int | None = None, require_image: bool = False, sandboxed: bool = False
+    path: str | Path, max_samples: int | None = None, require_image: bool = False, cwd_error: CwdRule | None = None
 ) -> Iterator[Row]:
     """The valid rows in file order (invalid lines are left out: scan_dataset reported them)."""
     index = 0
-    for _line_no, _raw, row, _error, key in _walk(Path(path), max_samples, require_image, sandboxed):
+    for _line_no, _raw, row, _error, key in _walk(Path(path), max_samples, require_image, cwd_error):
         if row is None:
             continue
         yield Row(

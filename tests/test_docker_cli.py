@@ -233,3 +233,17 @@ def test_containers_of_a_killed_worker_are_removed_mid_run(client, model_server,
     finally:
         _kill_group(proc)
     assert proc.returncode == 2, out + err
+
+
+def test_a_relative_row_cwd_is_refused_under_docker_naming_the_line(model_server, tmp_path, run_name):
+    """Issue 14 M3: a relative cwd passed, then every command failed 'Cwd must be an absolute path'."""
+    rows = [{"prompt": "A.", "cwd": "/srv/ok"}] + [{"prompt": f"{cwd} row.", "cwd": cwd}
+                                                    for cwd in ("rel/dir", "../..", " ", "~")]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = run_cli(_args(dataset, model_server, run_name, f"--docker_image={BUSYBOX_IMAGE}"), tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{dataset}:1:" not in proc.stderr
+    for line in (2, 3, 4, 5):
+        assert f"{dataset}:{line}:" in proc.stderr, proc.stderr
+    assert "'cwd' must be an absolute path under --terminal_env=docker" in proc.stderr
+    assert not model_server.requests_for("row.")  # nothing paid for

@@ -62,3 +62,14 @@ def test_bwrap_without_bubblewrap_is_a_clear_error(model_server, tmp_path):
     proc = run_cli(_args(dataset, model_server, "--sandbox=bwrap"), tmp_path, env={"PATH": str(tmp_path)})
     assert proc.returncode == 1
     assert "--sandbox=bwrap needs bubblewrap" in proc.stderr
+
+
+def test_a_relative_row_cwd_is_refused_without_a_sandbox(model_server, tmp_path):
+    """Issue 14 M3: "../.." meant a folder relative to wherever the runner was started."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "A.", "cwd": str(tmp_path)}, {"prompt": "B.", "cwd": "../.."},
+                                                 {"prompt": "C.", "cwd": "~"}])
+    proc = run_cli(_args(dataset, model_server), tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{dataset}:2:" in proc.stderr and f"{dataset}:3:" in proc.stderr and f"{dataset}:1:" not in proc.stderr
+    assert "'cwd' must be an absolute path under --terminal_env=local" in proc.stderr
+    assert not model_server.requests_for(".")  # nothing paid for

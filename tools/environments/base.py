@@ -82,6 +82,12 @@ class Backend:
         raise NotImplementedError
 
     @classmethod
+    def cwd_error(cls, cwd: str, settings: ToolSettings) -> str | None:
+        """Why this backend cannot use a row's `cwd` (the line is then invalid, found before the
+        run), or None. Container backends: it must be an absolute path inside the container."""
+        return absolute_cwd_error(cwd, f"--terminal_env={settings.terminal_env}", "a path inside the container")
+
+    @classmethod
     def prepare_run(cls, settings: ToolSettings, images: set[str], *, say: Callable[[str], None],
                     log: Callable[[str], None]) -> dict[str, str]:
         """Once per run (under Ray: once per node and image), before any model call: get `images`
@@ -93,6 +99,13 @@ class Backend:
     @classmethod
     def clean_task_leftovers(cls, settings: ToolSettings, task_ids: list[str], *, log: Callable[[str], None]) -> None:
         """After a worker died: remove what the sessions of these tasks left (it could not)."""
+
+
+def absolute_cwd_error(cwd: str, where: str, meaning: str) -> str | None:
+    """The rule of a cwd that is used as a path as is: absolute, without '~' (no shell expands it)."""
+    if cwd.startswith("/"):
+        return None
+    return f"'cwd' must be an absolute path under {where} ({meaning}), got {cwd!r}"
 
 
 def container_image(settings: ToolSettings, image: str | None) -> str:

@@ -33,8 +33,8 @@ import uuid
 from pydantic import BaseModel
 
 from tools.environments.base import (
-    Backend, ExecResult, OutputCapture, SandboxError, command_finished, forget_marked_processes, keep_processes_marked,
-    kill_orphans, quote, start_command, truncate_output,
+    Backend, ExecResult, OutputCapture, SandboxError, absolute_cwd_error, command_finished, forget_marked_processes,
+    keep_processes_marked, kill_orphans, quote, start_command, truncate_output,
 )  # fmt: skip
 from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
 
@@ -77,6 +77,19 @@ class LocalEnvironment(Backend):
         self._holder: subprocess.Popen | None = None  # bwrap: keeps the sandbox alive
         self._sandbox_pid = 0  # bwrap: host pid of the sandbox's init process
         self._sandbox_ns: tuple[int, int] | None = None  # its pid namespace, to never kill a recycled pid
+
+    @classmethod
+    def cwd_error(cls, cwd: str, settings) -> str | None:
+        """Under --sandbox=bwrap the row's cwd is bind-mounted writable: an absolute path ("/") would
+        make the host writable, so it must be a folder inside the sandbox's own working directory.
+        Without a sandbox it is a host folder used as is: it must be absolute, since a relative
+        one would mean a different folder depending on where the runner is started."""
+        if settings.sandbox == "bwrap":
+            if cwd.startswith("/") or ".." in cwd.split("/"):
+                return (f"'cwd' must be a relative path without '..' under --sandbox=bwrap (a folder in the "
+                        f"sandbox's own workdir), got {cwd!r}")
+            return None
+        return absolute_cwd_error(cwd, "--terminal_env=local", "a folder of this machine")
 
     @classmethod
     def from_settings(cls, settings, *, task_id: str, image: str | None, cwd: str | None) -> LocalEnvironment:
