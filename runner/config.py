@@ -214,7 +214,9 @@ def flag_default(name: str) -> str | None:
         field = model.model_fields.get(name)
         if field is not None:
             value = field.get_default(call_default_factory=True)
-            return f"{value:g}" if isinstance(value, float) else str(value)
+            if isinstance(value, float):
+                return f"{value:g}"
+            return ",".join(value) if isinstance(value, list) else str(value)  # as the flag is written
     return None
 
 

@@ -92,7 +92,7 @@ FLAGS: list[Flag] = _flags(
     ("container_cpus", "none", "CPU limit of each container."),
     ("container_network", "no network", "Network of each container (e.g. bridge)."),
     ("vision_model", "the run's model", "Model used by vision_analyze and browser_vision."),
-    ("moa_reference_models", "four frontier models", "Comma list: reference models of mixture_of_agents."),
+    ("moa_reference_models", CONFIG, "Comma list: reference models of mixture_of_agents."),
     ("moa_aggregator_model", CONFIG, "Aggregator model of mixture_of_agents."),
     ("web_search_backend", "first configured", "searxng, tavily, exa, brave or firecrawl."),
     ("image_backend", "first configured", "fal or openai."),

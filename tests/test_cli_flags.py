@@ -128,6 +128,8 @@ def test_help_has_one_described_line_per_flag_with_full_defaults(tmp_path):
         assert len(lines[0].split(None, 1)) == 2 and len(lines[0].split(None, 1)[1]) > 10, lines[0]
     model_line = next(line for line in out.splitlines() if line.startswith("  --model "))
     assert "[default: anthropic/claude-sonnet-4.6]" in model_line
+    moa_line = next(line for line in out.splitlines() if line.startswith("  --moa_reference_models "))
+    assert "[default: anthropic/claude-sonnet-4.6,google/gemini-2.5-pro,openai/gpt-5,deepseek/deepseek-r1]" in moa_line
     assert "sonn..." not in out and "-w," not in out and "-w " not in out
     assert out.index(f"{ORIGINAL}:") < out.index("  --dataset_file ") < out.index(f"{NEW}:") < out.index("  --seed ")
     assert not (tmp_path / "data").exists()
