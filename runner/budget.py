@@ -50,9 +50,9 @@ def cost_options(flags: dict, model: str, base_url: str | None) -> dict:
     max_cost = flags.get("max_cost")
     if max_cost is not None and (isinstance(max_cost, bool) or not isinstance(max_cost, (int, float)) or max_cost <= 0):
         raise ValueError(f"--max_cost must be a positive number of USD (got {max_cost!r})")
-    scope = str(flags.get("max_cost_scope") or "run")
-    if scope not in SCOPES:
-        raise ValueError(f"--max_cost_scope must be run or invocation (got {flags.get('max_cost_scope')!r})")
+    scope = flags.get("max_cost_scope")  # None: RunConfig's default (run)
+    if scope is not None and scope not in SCOPES:
+        raise ValueError(f"--max_cost_scope must be run or invocation (got {scope!r})")
     hard = bool(flags.get("max_cost_hard"))
     if max_cost is None and hard:
         raise ValueError("--max_cost_hard needs --max_cost")
@@ -62,8 +62,8 @@ def cost_options(flags: dict, model: str, base_url: str | None) -> dict:
             "--price_input_per_mtok and --price_output_per_mtok (USD per million tokens; a cost the endpoint "
             "does report, such as LiteLLM's x-litellm-response-cost header, still wins)"
         )
-    return {"prices": prices, "max_cost": None if max_cost is None else float(max_cost),
-            "max_cost_hard": hard, "max_cost_scope": scope}
+    options = {"prices": prices, "max_cost": None if max_cost is None else float(max_cost), "max_cost_hard": hard}
+    return options if scope is None else {**options, "max_cost_scope": scope}
 
 
 class Budget:

@@ -110,7 +110,7 @@ class RunConfig(BaseModel):
     prices: Prices | None = None  # --price_*_per_mtok: for replies whose endpoint reports no cost
     max_cost: float | None = None  # USD budget (runner/budget.py checks the cost flags)
     max_cost_hard: bool = False  # cancel rows in flight at the budget instead of letting them finish
-    max_cost_scope: str = "run"  # run: spend of earlier invocations counts; invocation: only this one
+    max_cost_scope: Literal["run", "invocation"] = "run"  # run: spend of earlier invocations counts; invocation: only this one
     tool_schema_version: str = ""
     tools: ToolSettings = Field(default_factory=ToolSettings)
 
