@@ -183,12 +183,35 @@ _running_commands: set[int] = set()  # commands whose exit status a Popen has ye
 _children_lock = threading.Lock()  # a command is registered before a sweep can see it
 
 
+_subreaper = False  # this process is a child subreaper: every descendant stays one
+
+
 def become_subreaper() -> None:
     """Make orphaned descendants of this process reparent to it rather than to init (Linux)."""
+    global _subreaper
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        _subreaper = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         pass
+
+
+def own_descendants() -> tuple[dict[int, tuple[int, str, int]], set[int]] | None:
+    """In a subreaper: the process table and this process's descendants, which then include
+    everything its commands started, detached or not (a session's cleanup need not read the
+    environment of every process of the machine). None elsewhere (an orphan escapes to init)."""
+    if not _subreaper:
+        return None
+    table = process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _state, _session) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, stack = set(), [os.getpid()]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return table, found
 
 
 def keep_processes_marked(entry: bytes) -> None:
@@ -213,7 +236,7 @@ def command_finished(pid: int) -> None:
     _running_commands.discard(pid)
 
 
-def kill_orphans(everything: bool = False) -> int:
+def kill_orphans(everything: bool = False, table: dict[int, tuple[int, str, int]] | None = None) -> int:
     """SIGKILL and reap the orphans that reparented to this process: children in a session other
     than ours that are no running command and carry no live session's marker (zombies among them
     are only reaped). `everything`: the worker is exiting, every child it still has goes. Returns
@@ -223,7 +246,9 @@ def kill_orphans(everything: bool = False) -> int:
     for _ in range(10):  # repeat: an orphan's own children reparent to us when it dies
         with _children_lock:
             kept = list(_kept_markers)
-            found = [(pid, state) for pid, state, session in _children_of(me)
+            children = _children_of(me, table)
+            table = None  # a table given by the caller serves the first pass only
+            found = [(pid, state) for pid, state, session in children
                      if everything or (session != my_session and pid not in _running_commands
                                        and (state == "Z" or not any(m in _environ_of(pid) for m in kept)))]
         if not found:
@@ -243,20 +268,25 @@ def kill_orphans(everything: bool = False) -> int:
     return killed
 
 
-def _children_of(parent: int) -> list[tuple[int, str, int]]:
-    """(pid, state, session id) of every child of `parent`, from /proc/<pid>/stat."""
-    children = []
+def process_table() -> dict[int, tuple[int, str, int]]:
+    """pid -> (parent pid, state, session id) of every process, from /proc/<pid>/stat."""
+    table = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
-        except (OSError, IndexError):
+            table[int(name)] = (int(fields[1]), fields[0].decode(), int(fields[3]))
+        except (OSError, IndexError, ValueError):
             continue
-        if int(fields[1]) == parent:
-            children.append((int(name), fields[0].decode(), int(fields[3])))
-    return children
+    return table
+
+
+def _children_of(parent: int, table: dict[int, tuple[int, str, int]] | None = None) -> list[tuple[int, str, int]]:
+    """(pid, state, session id) of every child of `parent`."""
+    table = process_table() if table is None else table
+    return [(pid, state, session) for pid, (ppid, state, session) in table.items() if ppid == parent]
 
 
 def _environ_of(pid: int) -> bytes:

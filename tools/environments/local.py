@@ -34,7 +34,7 @@ from pydantic import BaseModel
 
 from tools.environments.base import (
     Backend, ExecResult, OutputCapture, SandboxError, absolute_cwd_error, command_finished, forget_marked_processes,
-    keep_processes_marked, kill_orphans, quote, start_command, truncate_output,
+    keep_processes_marked, kill_orphans, own_descendants, quote, start_command, truncate_output,
 )  # fmt: skip
 from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
 
@@ -275,9 +275,13 @@ class LocalEnvironment(Backend):
         raise OSError(errno.EIO, message or f"failed with exit code {proc.returncode}", path)
 
     def cleanup(self) -> None:
-        self._kill_session_processes()
+        # One read of the process table serves both sweeps when nothing of the session is left
+        # (the common case): reading every process's stat or environ is what a cleanup costs.
+        known = own_descendants()
+        clean = self._kill_session_processes(None if known is None else known[1])
         forget_marked_processes(self._marker_entry())
-        kill_orphans()  # what the session's commands detached from it and from its marker
+        # What the session's commands detached from it and from its marker.
+        kill_orphans(table=known[0] if known is not None and clean else None)
         if self._holder:
             if self._sandbox_ns and _namespace_of(self._sandbox_pid) == self._sandbox_ns:
                 _signal(self._sandbox_pid)  # its init dies, so the kernel kills everything inside
@@ -291,15 +295,19 @@ class LocalEnvironment(Backend):
     def _marker_entry(self) -> bytes:
         return f"{_MARKER_VAR}={self._marker}".encode()
 
-    def _kill_session_processes(self) -> None:
+    def _kill_session_processes(self, candidates: set[int] | None = None) -> bool:
+        """SIGKILL every process carrying this session's marker; True when there was none. In a
+        subreaper the `candidates` (its descendants) are all that can carry it; else every process."""
         marker = self._marker_entry()
-        for _ in range(10):  # repeat: a process may fork while we are killing its parent
-            found = [pid for pid in _all_pids() if marker in _environ_bytes(pid)]
+        for attempt in range(10):  # repeat: a process may fork while we are killing its parent
+            pids = candidates if attempt == 0 and candidates is not None else _all_pids()
+            found = [pid for pid in pids if marker in _environ_bytes(pid)]
             if not found:
-                return
+                return attempt == 0
             for pid in found:
                 _signal(pid)
             time.sleep(0.05)
+        return False
 
 
 # File tools under bwrap: small scripts run inside the sandbox, the path as $1.
