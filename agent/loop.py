@@ -224,7 +224,16 @@ def _give_up(verdict: Verdict, reply: ModelReply, result: ConversationResult, co
     if verdict.kind is Reply.THINK_ONLY:
         result.messages.append(_assistant_message(reply))  # its last thought is the final turn
     result.partial, result.error = True, _GIVE_UP[verdict.kind].format(tool=verdict.tool)
-    return result
+    return _with_a_model_turn(result)
+
+
+def _with_a_model_turn(result: ConversationResult) -> ConversationResult:
+    """A session that ends without a single model turn has nothing to train on: it fails (so a
+    resume runs it again) instead of being kept as [system, human], saying which replies were dropped."""
+    if any(m["role"] == "assistant" for m in result.messages):
+        return result
+    why = "; ".join(f"call {d['call']}: {d['reason']}" for d in result.dropped_replies) or "no reply was kept"
+    raise ProviderError(f"the model gave no usable reply, every reply was dropped ({why})")
 
 
 async def _run_calls(reply: ModelReply, arguments: list[dict], by_name: dict[str, ToolSpec], ctx: ToolContext,
@@ -276,4 +285,4 @@ async def _turn_limit_summary(model: Any, head: list[dict], schemas: list[dict] 
         result.messages.append(summary)
     else:
         result.dropped_replies.append({"call": result.api_calls + 1, "reason": "turn-limit summary: no answer in the reply"})
-    return result
+    return _with_a_model_turn(result)

@@ -148,11 +148,20 @@ def test_a_huge_tool_result_is_truncated():
 
 
 def test_unknown_tool_is_retried_then_the_session_is_partial():
-    result, model = _run([_call("x", tool="nope")] * (MAX_SILENT_RETRIES + 1))
+    result, model = _run([_call("x")] + [_call("x", tool="nope")] * (MAX_SILENT_RETRIES + 1))
     assert result.partial and not result.completed
     assert result.error == "model called a tool it was not offered: nope"
-    assert _roles(result) == ["user"]
-    assert result.dropped_replies == [{"call": n, "reason": "called a tool it was not offered: nope"} for n in (1, 2, 3)]
+    assert _roles(result) == ["user", "assistant", "tool"]
+    assert result.dropped_replies == [{"call": n, "reason": "called a tool it was not offered: nope"} for n in (2, 3, 4)]
+    assert all(r["messages"] == model.requests[1]["messages"] for r in model.requests[1:])  # the same request again
+
+
+def test_a_session_without_a_single_kept_reply_fails_naming_the_dropped_replies():
+    """Nothing but unknown-tool calls: no model turn to save, so the row fails (retried on resume)."""
+    model = Scripted([_call("x", tool="nope")] * (MAX_SILENT_RETRIES + 1))
+    ctx = ToolContext(env=None, settings=None, model=model, task_id="t")
+    with pytest.raises(ProviderError, match=r"no usable reply.*call 1: called a tool it was not offered: nope"):
+        asyncio.run(run_conversation("Prompt.", model=model, tools=[ECHO], ctx=ctx, config=LoopConfig(max_iterations=10)))
     assert all(r["messages"] == model.requests[0]["messages"] for r in model.requests)  # the same request again
 
 
@@ -219,10 +228,12 @@ def test_empty_replies_after_tool_calls_end_partial_without_an_empty_turn():
 
 
 def test_unclosed_scratchpad_is_retried_then_partial():
-    result, _ = _run([_text("<REASONING_SCRATCHPAD>thinking forever")] * 3)
+    result, _ = _run([_call("x")] + [_text("<REASONING_SCRATCHPAD>thinking forever")] * 3)
     assert result.partial and result.error == f"unclosed <REASONING_SCRATCHPAD> after {MAX_SILENT_RETRIES} retries"
-    assert _roles(result) == ["user"]
+    assert _roles(result) == ["user", "assistant", "tool"]
     assert [d["reason"] for d in result.dropped_replies] == ["unclosed <REASONING_SCRATCHPAD>"] * 3
+    with pytest.raises(ProviderError, match="no usable reply.*call 3: unclosed <REASONING_SCRATCHPAD>"):
+        _run([_text("<REASONING_SCRATCHPAD>thinking forever")] * 3)  # no model turn at all: the row fails
 
 
 def test_unclosed_scratchpad_wins_over_tool_calls():

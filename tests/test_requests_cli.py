@@ -292,3 +292,24 @@ def test_probe_names_a_refused_key_before_anything_starts(tmp_path):
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert "refused the API key (HTTP 401" in proc.stderr and "sk-wrong" not in proc.stderr
         assert server.count() == 0 and not _out(tmp_path).exists()
+
+
+def test_a_row_without_a_single_model_turn_is_a_failed_attempt_not_a_kept_row(tmp_path, model_server, remote_args):
+    """Every reply dropped (thinking only, an unknown tool) and the turn limit reached: nothing the
+    model said can be saved, so the row fails, saying why, and a resume runs it again."""
+    rows = [{"prompt": "thinkonly\n@think_only 3"}, {"prompt": "unk\n@unknown_tool 3"}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning", "--max_turns=1")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert read_jsonl(_out(tmp_path) / "trajectories.jsonl") == []
+    failed = sorted((r for r in _batch_lines(tmp_path) if r.get("failed")), key=lambda r: r["prompt_index"])
+    assert [r["prompt_index"] for r in failed] == [0, 1]
+    for record, reason in zip(failed, ("no answer beyond thinking", "called a tool it was not offered")):
+        assert "the model gave no usable reply" in record["error"] and f"call 1: {reason}" in record["error"], record
+        assert "turn-limit summary" in record["error"]
+        assert record["metadata"]["usage"]["requests"] == 2  # the spend of the failed attempt is kept
+    proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning", "--max_turns=1", "--resume")
+    attempts = sorted((r["prompt_index"], r["metadata"]["attempt"]) for r in _batch_lines(tmp_path))
+    assert attempts == [(0, 1), (0, 2), (1, 1), (1, 2)], proc.stdout + proc.stderr  # both rows ran again
+    for row in read_jsonl(_out(tmp_path) / "trajectories.jsonl"):
+        assert "gpt" in [t["from"] for t in row["conversations"]]

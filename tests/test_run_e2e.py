@@ -206,7 +206,7 @@ def test_agent_loop_edge_cases(tmp_path, model_server, remote_args):
     assert proc.returncode == 2, proc.stdout + proc.stderr  # the cut-off first response failed its row
     kept = {t["prompt_index"]: t for t in read_jsonl(_files(tmp_path) / "trajectories.jsonl")}
     assert kept[0]["completed"] and kept[0]["tool_stats"]["terminal"]["count"] == 1
-    assert kept[1]["partial"] and not kept[1]["completed"] and "no_such_tool" in kept[1]["metadata"]["stop_reason"]
+    assert 1 not in kept  # nothing but unknown-tool calls: no model turn to keep, so the row failed
     repaired = kept[2]["conversations"]
     repair, summary = kept[2]["metadata"]["loop_notes"].splitlines()  # the notes are not turns of the conversation
     assert repair.startswith("after turn 1: ") and "not valid JSON" in repair
@@ -216,8 +216,9 @@ def test_agent_loop_edge_cases(tmp_path, model_server, remote_args):
     assert [line.split(": ", 1)[1][:12] for line in dropped] == ["invalid JSON"] * 3
     assert kept[3]["completed"] and kept[3]["api_calls"] == 2
     assert 4 not in kept
-    (failed,) = [r for p in _files(tmp_path).glob("batch_*.jsonl") for r in read_jsonl(p) if r.get("failed")]
-    assert failed["prompt_index"] == 4 and "output length limit" in failed["error"]
+    failed = {r["prompt_index"]: r for p in _files(tmp_path).glob("batch_*.jsonl") for r in read_jsonl(p) if r.get("failed")}
+    assert sorted(failed) == [1, 4] and "output length limit" in failed[4]["error"]
+    assert "no usable reply" in failed[1]["error"] and "called a tool it was not offered: no_such_tool" in failed[1]["error"]
     limited = kept[5]
     assert limited["api_calls"] == 3 and limited["completed"] is False
     assert [t["from"] for t in limited["conversations"]] == ["system", "human"] + ["gpt", "tool"] * 3 + ["gpt"]
