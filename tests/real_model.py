@@ -53,9 +53,12 @@ def free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the test process dies, however it dies."""
+    """In the child before exec: SIGKILL it when the test process dies, however it dies.
+
+    Not SIGTERM: uvicorn then shuts down gracefully, waiting for the request in flight, and a
+    runaway generation kept an orphaned server busy for minutes."""
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class LlamaServer:

@@ -50,8 +50,9 @@ def terminal_run(real_model_server, tmp_path_factory):
                 f"--base_url={proxy.base_url}", f"--model={MODEL_ALIAS}",
                 "--distribution=terminal_only",  # terminal, process and the file tools
                 "--keep_no_reasoning",  # SmolLM2 does not reason: keep its rows instead of discarding them
-                # One tool-calling turn, then the loop's summary request: two requests per row.
-                "--max_turns=1",
+                # Two tool-calling turns: a reply the loop drops (arguments that are not JSON, about
+                # one row in four) leaves the row a second try; then the summary request.
+                "--max_turns=2",
                 # The server runs one request at a time; one session at a time keeps its prompt
                 # cache warm (consecutive requests share the long tool listing).
                 "--num_workers=1", "--num_processes=1", "--seed=1",
