@@ -353,3 +353,15 @@ def test_import_is_light():
         "print([m for m in sys.modules if m.split('.')[0] in heavy or m in tools])\n"
     )
     assert run_python(code).strip() == "[]"
+
+
+def test_fallback_toolset_is_the_highest_that_can_offer_a_tool_ties_in_order():
+    from runner.worker import fallback_toolset
+    from tools.registry import all_tool_names, toolsets
+
+    catalogue = toolsets()
+    none_of = lambda *names: {tool: "test" for ts in names for tool in catalogue.get(ts, ())}  # noqa: E731
+    assert fallback_toolset("image_gen", {}) == "image_gen"  # image_gen and vision tie at 90: the first
+    assert fallback_toolset("image_gen", none_of("image_gen")) == "vision"
+    assert fallback_toolset("image_gen", none_of("image_gen", "vision")) == "web"
+    assert fallback_toolset("image_gen", {name: "test" for name in all_tool_names()}) is None
