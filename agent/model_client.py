@@ -521,7 +521,8 @@ def connection_failure(err: BaseException) -> str | None:
 
 def probe_endpoint(base_url: str, api_key: str | None, timeout: float = 10.0) -> str | None:
     """One cheap request (GET {base_url}/models) before a run starts: None when the endpoint
-    answers (any HTTP status but 401/403: some servers have no /models), else what is wrong."""
+    answers (any HTTP status but 401/403: some servers have no /models), else what is wrong
+    (no connection, a refused key, or no answer within `timeout`)."""
     request = urllib.request.Request(base_url.rstrip("/") + "/models", method="GET")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
@@ -536,7 +537,10 @@ def probe_endpoint(base_url: str, api_key: str | None, timeout: float = 10.0) ->
     except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
         cause = connection_failure(err) or connection_failure(getattr(err, "reason", None) or err)
         if cause is None and isinstance(getattr(err, "reason", err), (TimeoutError, socket.timeout)):
-            return None  # no answer in time (a busy server, or a filtered port): the run's retries decide
+            # A port that accepts and never answers (or drops packets) would make every row wait
+            # --request_timeout per attempt, 8 attempts: say so now instead of burning the dataset.
+            return (f"the model endpoint {base_url} did not answer GET /models within {timeout:g}s "
+                    "(it accepted no connection, or accepted one and never replied)")
         return f"cannot reach the model endpoint {base_url}: {cause or err}"
 
 

@@ -189,6 +189,24 @@ def test_unreachable_endpoint_is_named_before_anything_starts(tmp_path):
         assert not _out(tmp_path, name).exists()  # nothing written, nothing committed
 
 
+def test_an_endpoint_that_accepts_and_never_answers_is_named_before_anything_starts(tmp_path):
+    import socket
+    import time
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"Row {i}."} for i in range(4)])
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        started = time.monotonic()
+        proc = run_cli([f"--dataset_file={dataset}", "--run_name=silent", "--batch_size=5", "--model=m",
+                        f"--base_url={url}", "--api_key=sk-x"], tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "did not answer GET /models within 10s" in proc.stderr and url in proc.stderr
+    assert time.monotonic() - started < 40  # the probe's 10 s, not 8 attempts of --request_timeout per row
+    assert not _out(tmp_path, "silent").exists()
+
+
 def test_an_endpoint_without_models_route_counts_as_reachable(tmp_path, model_server):
     dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Row."}])
     proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--model=m",
