@@ -22,6 +22,7 @@ budget; everything else is `provider`.
 from __future__ import annotations
 
 import asyncio
+import math
 import email.utils
 import http.client
 import random
@@ -232,7 +233,7 @@ def _usage_dict(usage: Any) -> dict:
         "reasoning_tokens": details.get("reasoning_tokens") or 0,
         # OpenAI style, else Anthropic style (what LiteLLM passes through)
         "cached_tokens": prompt_details.get("cached_tokens") or usage.get("cache_read_input_tokens") or 0,
-        "cost": usage.get("cost"),  # OpenRouter reports the charge here; None: not reported
+        "cost": charge(usage.get("cost")),  # OpenRouter reports the charge here; None: not reported (or no number)
     }
 
 
@@ -270,13 +271,23 @@ def split_inline_think(content: str | None) -> tuple[str | None, str | None]:
 def reported_cost(usage: dict, headers: Any) -> float | None:
     """The charge the endpoint reported for one request: OpenRouter's `usage.cost`, else LiteLLM's
     `x-litellm-response-cost` header; None when neither says (unknown, not free)."""
-    if usage.get("cost") is not None:
-        return float(usage["cost"])
-    header = headers.get("x-litellm-response-cost") if headers is not None else None
-    try:
-        return float(header) if header not in (None, "", "None") else None
-    except ValueError:
+    body = charge(usage.get("cost"))
+    if body is not None:
+        return body
+    return charge(headers.get("x-litellm-response-cost") if headers is not None else None)
+
+
+def charge(value: Any) -> float | None:
+    """A reported cost as a number of USD, or None (unknown) for anything that is not one: a
+    missing value, text, an object, NaN, infinity or a negative amount (none is a price, and
+    one would turn every sum it enters into nonsense)."""
+    if isinstance(value, bool):
         return None
+    try:
+        cost = float(value)
+    except (TypeError, ValueError):
+        return None
+    return cost if math.isfinite(cost) and cost >= 0 else None
 
 
 _EPHEMERAL = {"type": "ephemeral"}

@@ -34,7 +34,7 @@ FREE = Prices(input_per_mtok=0.0, output_per_mtok=0.0)  # the built-in offline m
 
 def request_cost(usage: dict, prices: Prices | None) -> float | None:
     """The reported cost if there is one, else the priced tokens, else None (unknown)."""
-    reported = usage.get("cost")
+    reported = usage.get("cost")  # already checked by model_client.charge: a number or None
     if reported is not None:
         return float(reported)
     return prices.cost_of(usage) if prices is not None else None

@@ -402,7 +402,10 @@ def scripted_policy(body: dict, state: ConversationState) -> Reply:
         if d.cost is None:
             del completion["usage"]["cost"]
         else:
-            completion["usage"]["cost"] = float(d.cost)
+            try:
+                completion["usage"]["cost"] = float(d.cost)
+            except ValueError:  # deliberately not a number (`@cost abc`): sent as text
+                completion["usage"]["cost"] = d.cost
         headers = {"x-litellm-response-cost": d.cost_header} if d.cost_header is not None else {}
         return Reply(body=completion, headers=headers)
 

@@ -176,3 +176,14 @@ def test_prompt_caching_auto_means_claude_on_openrouter_and_at_most_four_breakpo
     assert flagged == [0, 4, 5, 6]
     assert marked[6]["content"][0] == {"type": "text", "text": "U2"}  # only the last part is marked
     assert messages[0] == {"role": "system", "content": "S"}  # the caller's messages are not changed
+
+
+def test_a_reported_cost_that_is_no_amount_is_unknown_not_a_number_to_sum():
+    from agent.model_client import charge, reported_cost
+
+    assert [charge(v) for v in (0.25, "0.5", 0, "1e-05")] == [0.25, 0.5, 0.0, 1e-05]
+    for bad in (None, "", "abc", "nan", "inf", "-inf", "-5", -0.1, float("nan"), True, {"usd": 1}, [1]):
+        assert charge(bad) is None, bad
+    # A body cost that is no amount does not hide a good header, and never raises.
+    assert reported_cost({"cost": "abc"}, {"x-litellm-response-cost": "0.002"}) == 0.002
+    assert reported_cost({"cost": None}, {"x-litellm-response-cost": "nan"}) is None

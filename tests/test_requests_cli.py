@@ -166,6 +166,18 @@ def test_cost_from_usage_or_the_litellm_header_else_unknown(tmp_path, model_serv
     assert [u["unpriced_requests"] for u in usage] == [0, 0, 1]  # the last cost is unknown, not 0
 
 
+def test_a_reported_cost_that_is_no_amount_is_unknown_and_the_reply_kept(tmp_path, model_server, remote_args):
+    rows = [{"prompt": "@cost abc\nText in usage.cost."}, {"prompt": "@cost none\n@cost_header nan\nNaN in the header."},
+            {"prompt": "@cost -5\nA negative charge."}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    usage = [t["metadata"]["usage"] for t in read_jsonl(_out(tmp_path) / "trajectories.jsonl")]
+    assert [(u["requests"], u["retries"], u["cost"], u["unpriced_requests"]) for u in usage] == [(1, 0, 0.0, 1)] * 3
+    stats = json.loads((_out(tmp_path) / "statistics.json").read_text())
+    assert stats["cost"] is None and "nan" not in proc.stdout.lower() and "$-" not in proc.stdout
+
+
 def _free_port() -> int:
     import socket
 
