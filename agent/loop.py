@@ -236,13 +236,30 @@ def _with_a_model_turn(result: ConversationResult) -> ConversationResult:
     raise ProviderError(f"the model gave no usable reply, every reply was dropped ({why})")
 
 
+def _unique_ids(reply: ModelReply, result: ConversationResult) -> list[str]:
+    """The ids of the reply's calls, unique in the conversation: results are matched to calls by
+    id, and strict providers refuse a history with two calls of one id. A missing or repeated id
+    is made up (call_<model call>_<position>)."""
+    used = {c["id"] for m in result.messages for c in m.get("tool_calls") or ()}
+    ids = []
+    for i, call in enumerate(reply.tool_calls):
+        call_id = call["id"]
+        if not call_id or call_id in used:
+            call_id = f"call_{result.api_calls}_{i}"
+            while call_id in used:
+                call_id += "_"
+        used.add(call_id)
+        ids.append(call_id)
+    return ids
+
+
 async def _run_calls(reply: ModelReply, arguments: list[dict], by_name: dict[str, ToolSpec], ctx: ToolContext,
                      result: ConversationResult) -> None:
-    """Keep the reply with its calls (arguments re-serialised as parsed, missing ids made up), then run each."""
+    """Keep the reply with its calls (arguments re-serialised as parsed, ids made unique), then run each."""
     calls = [
-        {"id": call["id"] or f"call_{result.api_calls}_{i}", "type": "function",
+        {"id": call_id, "type": "function",
          "function": {"name": call["function"]["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
-        for i, (call, args) in enumerate(zip(reply.tool_calls, arguments))
+        for call_id, call, args in zip(_unique_ids(reply, result), reply.tool_calls, arguments)
     ]
     result.messages.append(_assistant_message(reply, calls))
     for call, args in zip(calls, arguments):

@@ -114,6 +114,18 @@ def test_a_call_without_id_gets_one_made_up():
     assert result.messages[1]["tool_calls"][0]["id"] == result.messages[2]["tool_call_id"] == "call_1_0"
 
 
+def test_repeated_call_ids_are_made_unique_so_each_result_matches_one_call():
+    replies = [_calls(("same", "echo", '{"text": "one"}'), ("same", "upper", '{"text": "two"}')),
+               _call("three", "same"), _text("Done.")]
+    result, model = _run(replies, tools=(ECHO, UPPER))
+    ids = [c["id"] for m in result.messages for c in m.get("tool_calls") or ()]
+    assert ids[0] == "same" and len(set(ids)) == 3  # the first keeps its id, the repeats get new ones
+    answered = [m["tool_call_id"] for m in result.messages if m["role"] == "tool"]
+    assert answered == ids
+    sent = [m.get("tool_call_id") for m in model.requests[-1]["messages"] if m["role"] == "tool"]
+    assert sent == ids  # what the provider sees has no duplicate id either
+
+
 def test_empty_arguments_are_an_empty_object():
     result, _ = _run([_calls(("c1", "echo", "")), _text("Done.")])
     assert result.messages[1]["tool_calls"][0]["function"]["arguments"] == "{}"
