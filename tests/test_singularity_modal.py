@@ -439,8 +439,12 @@ def test_registry_local_ignores_image(tmp_path):
 
 
 def test_registry_unknown_backend():
+    # The settings refuse the name (what the CLI reports), and the registry refuses it on its own too.
+    with pytest.raises(ValueError, match="--terminal_env must be local, docker, singularity or modal .got 'daytona'."):
+        settings("daytona")
+    unchecked = ToolSettings.model_construct(terminal_env="daytona", run_name="r", run_id="id1")
     with pytest.raises(ValueError, match="unknown terminal_env 'daytona'"):
-        create_environment(settings("daytona"), task_id="t", image="x", cwd=None)
+        create_environment(unchecked, task_id="t", image="x", cwd=None)
 
 
 def test_registry_names_every_backend_module_and_class():
