@@ -250,7 +250,7 @@ def kill_orphans(everything: bool = False, table: dict[int, tuple[int, str, int]
             table = None  # a table given by the caller serves the first pass only
             found = [(pid, state) for pid, state, session in children
                      if everything or (session != my_session and pid not in _running_commands
-                                       and (state == "Z" or not any(m in _environ_of(pid) for m in kept)))]
+                                       and (state == "Z" or not any(m in environ_of(pid) for m in kept)))]
         if not found:
             break
         for pid, state in found:
@@ -289,7 +289,9 @@ def _children_of(parent: int, table: dict[int, tuple[int, str, int]] | None = No
     return [(pid, state, session) for pid, (ppid, state, session) in table.items() if ppid == parent]
 
 
-def _environ_of(pid: int) -> bytes:
+def environ_of(pid: int) -> bytes:
+    """The raw environment block of `pid` (b"" when it is gone or unreadable); a marker entry is
+    unique, so a substring test on it is exact."""
     try:
         with open(f"/proc/{pid}/environ", "rb", buffering=0) as f:
             return f.read()

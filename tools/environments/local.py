@@ -34,7 +34,7 @@ from pydantic import BaseModel
 
 from tools.environments.base import (
     Backend, ExecResult, OutputCapture, SandboxError, absolute_cwd_error, command_finished, forget_marked_processes,
-    keep_processes_marked, kill_orphans, own_descendants, quote, start_command, truncate_output,
+    environ_of, keep_processes_marked, kill_orphans, own_descendants, quote, start_command, truncate_output,
 )  # fmt: skip
 from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
 
@@ -301,7 +301,7 @@ class LocalEnvironment(Backend):
         marker = self._marker_entry()
         for attempt in range(10):  # repeat: a process may fork while we are killing its parent
             pids = candidates if attempt == 0 and candidates is not None else _all_pids()
-            found = [pid for pid in pids if marker in _environ_bytes(pid)]
+            found = [pid for pid in pids if marker in environ_of(pid)]
             if not found:
                 return attempt == 0
             for pid in found:
@@ -338,7 +338,7 @@ def kill_task_processes(belongs) -> int:
     for _ in range(10):  # repeat: a process may fork while we are killing its parent
         found = []
         for pid in _all_pids():
-            task = next((e[len(key):] for e in _environ_bytes(pid).split(b"\0") if e.startswith(key)), None)
+            task = next((e[len(key):] for e in environ_of(pid).split(b"\0") if e.startswith(key)), None)
             if task is not None and pid != os.getpid() and belongs(task.decode(errors="replace")):
                 found.append(pid)
         if not found:
@@ -381,15 +381,6 @@ def _kill_group(pgid: int) -> None:
 
 def _all_pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def _environ_bytes(pid: int) -> bytes:
-    """The raw environment block of `pid` (the marker is unique, so a substring test is exact)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb", buffering=0) as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def _namespace_of(pid: int) -> tuple[int, int] | None:
