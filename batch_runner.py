@@ -38,7 +38,7 @@ def _interrupted_before_the_run(signum, frame):
 if __name__ == "__main__":  # first thing, before the heavy imports; never when imported as a library
     for _signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(_signum, _interrupted_before_the_run)
-    # The re-exec (runner/secrets.py) blocks both signals across execve, so one sent while the new
+    # The re-exec (runner/input/secrets.py) blocks both signals across execve, so one sent while the new
     # interpreter starts waits here instead of killing it or raising KeyboardInterrupt in its imports.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 
@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.console import plural
-from runner.executors import Executor
-from runner.store import StorageError
+from runner.execution.executor import Executor
+from runner.storage.store import StorageError
 from toolset_distributions import format_distribution_catalogue
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FATAL_PROVIDER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -131,7 +131,7 @@ def main(
 ):
     """Run a JSONL dataset of prompts through the agent (see README.md for every flag).
 
-    A flag left out is None here: its default is defined once, on its field in runner/config.py
+    A flag left out is None here: its default is defined once, on its field in runner/input/config.py
     (RunConfig) or tools/settings.py (ToolSettings), which also check the values.
     """
     if list_distributions:
@@ -186,9 +186,9 @@ def main(
 def _report_only(output_dir: Any, run_name: Any, report_samples: Any) -> int:
     """`--report --run_name=NAME`: the end-of-run outputs rebuilt from the run's files (report.html,
     statistics.json, trajectories.jsonl, so they always agree), under the run lock; nothing run."""
-    from runner.config import ReportOptions
-    from runner.finalize import RebuildError, rebuild_outputs
-    from runner.lock import RunLock, RunLockBusy
+    from runner.input.config import ReportOptions
+    from runner.output.finalize import RebuildError, rebuild_outputs
+    from runner.storage.lock import RunLock, RunLockBusy
 
     options = _validated(ReportOptions, output_dir=output_dir, run_name=run_name or "", report_samples=report_samples)
     run_dir = Path(options.output_dir) / options.run_name
@@ -213,7 +213,7 @@ def _validated(schema, /, **values: Any):
     """schema(**values) without the values left out (None: the field's default); UsageError when bad."""
     from pydantic import ValidationError
 
-    from runner.config import flag_error
+    from runner.input.config import flag_error
 
     try:
         return schema(**{name: value for name, value in values.items() if value is not None})
@@ -270,8 +270,8 @@ def build_config(*, api_key=None, providers_allowed=None, providers_ignored=None
     `fields` are the flags named like a field of RunConfig or ToolSettings (TOOL_FLAGS): the models
     check them and default the ones left out (None). The flags named here become other fields.
     """
-    from runner.budget import cost_options
-    from runner.config import RunConfig, provider_preferences, reasoning_request
+    from runner.execution.budget import cost_options
+    from runner.input.config import RunConfig, provider_preferences, reasoning_request
     from tools.settings import ToolSettings
 
     tool_flags = {name: fields.pop(name, None) for name in TOOL_FLAGS}
@@ -309,8 +309,8 @@ def _checked(function, *args):
 
 
 def _api_key(flag: Any) -> str | None:
-    """--api_key (the CLI takes it out of argv first: runner/secrets.py), else the environment's."""
-    from runner import secrets
+    """--api_key (the CLI takes it out of argv first: runner/input/secrets.py), else the environment's."""
+    from runner.input import secrets
 
     if flag in (None, "", True):
         flag = secrets.get(secrets.API_KEY_FLAG) or secrets.get("OPENROUTER_API_KEY") or secrets.get("OPENAI_API_KEY")
@@ -319,7 +319,7 @@ def _api_key(flag: Any) -> str | None:
 
 def _tool_endpoints() -> dict:
     """The tool backends' endpoints and keys, from the environment."""
-    from runner import secrets
+    from runner.input import secrets
 
     return {"searxng_url": os.environ.get("SEARXNG_URL"), "tavily_api_key": secrets.get("TAVILY_API_KEY"),
             "exa_api_key": secrets.get("EXA_API_KEY"), "brave_api_key": secrets.get("BRAVE_API_KEY"),
@@ -382,13 +382,13 @@ class BatchRunner:
 
     Two ways to build one: `BatchRunner(config)` with a RunConfig (as main() does), or the
     original's keywords, `BatchRunner(dataset_file=..., batch_size=..., run_name=...,
-    max_iterations=..., ...)` then `.run(resume=...)` (see runner/original_api.py).
+    max_iterations=..., ...)` then `.run(resume=...)` (see runner/input/original_api.py).
     """
 
     def __init__(self, config=None, *, resume: bool = False, overwrite: bool = False, allow_config_change: bool = False,
                  **original_keywords: Any):
         if config is None:
-            from runner.original_api import config_from_original
+            from runner.input.original_api import config_from_original
 
             config = config_from_original(original_keywords)
         elif original_keywords:
@@ -404,7 +404,7 @@ class BatchRunner:
         self._phase = "starting"  # starting -> dispatch -> finishing: what a Ctrl-C interrupts
         self.stop_message: str | None = None  # why the run stopped early when workers keep dying
         self._bar = None
-        self._monitor = None  # runner.status.RunMonitor of this invocation
+        self._monitor = None  # runner.output.status.RunMonitor of this invocation
         self._streaks: dict[str, int] = {}  # failure class -> rows in a row that failed with it
         self.started_at = datetime.now().isoformat()
 
@@ -423,10 +423,10 @@ class BatchRunner:
         _refuse_run_while_a_worker_imports_the_script()
         if resume is not None:
             self.resume = bool(resume)
-        from runner.dataset import DatasetError, scan_dataset
-        from runner.lock import RunLock, RunLockBusy
-        from runner.secrets import environment_without_keys, register_config
-        from runner.store import STORAGE_ERRNOS, RunStore
+        from runner.input.dataset import DatasetError, scan_dataset
+        from runner.storage.lock import RunLock, RunLockBusy
+        from runner.input.secrets import environment_without_keys, register_config
+        from runner.storage.store import STORAGE_ERRNOS, RunStore
         from tools.registry import tool_schema_version, unavailable_tools
 
         config = self.config
@@ -460,7 +460,7 @@ class BatchRunner:
             except RunLockBusy as err:
                 raise UsageError(str(err)) from None
             try:
-                from runner.leftovers import clean_run_leftovers
+                from runner.storage.leftovers import clean_run_leftovers
 
                 clean_run_leftovers(self.run_dir, self.log)  # what a killed invocation left behind
                 self._prepare_run_dir()
@@ -480,7 +480,7 @@ class BatchRunner:
                 signal.signal(signum, handler)
 
     def _refuse_dataset_among_outputs(self) -> None:
-        from runner.store import is_own_file_of
+        from runner.storage.store import is_own_file_of
 
         if is_own_file_of(self.run_dir, self.config.dataset_file):
             raise UsageError(
@@ -491,10 +491,10 @@ class BatchRunner:
     def _make_executor(self, unavailable: dict[str, str]) -> Executor:
         config = self.config
         if config.executor == "ray":
-            from runner.ray_executor import RayExecutor
+            from runner.execution.ray_pool import RayExecutor
 
             return RayExecutor(config, unavailable, log=self.log)
-        from runner.executor import ProcessExecutor
+        from runner.execution.process_pool import ProcessExecutor
 
         processes = config.num_processes or os.cpu_count() or 1
         return ProcessExecutor(config, unavailable, self._sessions(), processes, log=self.log)
@@ -541,7 +541,7 @@ class BatchRunner:
 
     def _prepare_run_dir(self) -> None:
         """Refuse to mix runs by accident: a rerun needs --resume (or --overwrite). Runs under the lock."""
-        from runner.store import batch_files, own_files
+        from runner.storage.store import batch_files, own_files
 
         run_dir = self.run_dir
         has_rows = bool(batch_files(run_dir))
@@ -579,7 +579,7 @@ class BatchRunner:
     def _check_fingerprint(self) -> None:
         import json
 
-        from runner.config import diff_fingerprints
+        from runner.input.config import diff_fingerprints
 
         path = self.run_dir / "config.json"
         if not path.exists():
@@ -601,7 +601,7 @@ class BatchRunner:
         import json
         from datetime import datetime
 
-        from runner.store import atomic_write_json
+        from runner.storage.store import atomic_write_json
 
         path = self.run_dir / "config.json"
         created, invocations = None, []
@@ -627,8 +627,8 @@ class BatchRunner:
         )
 
     def _run_locked(self, scan, store, executor, unavailable: dict[str, str]) -> int:
-        from runner.finalize import build_statistics, merge_run, print_summary, record_invocation_end, run_time, write_statistics
-        from runner.report import report_details
+        from runner.output.finalize import build_statistics, merge_run, print_summary, record_invocation_end, run_time, write_statistics
+        from runner.output.report import report_details
 
         config = self.config
         if self.resume:
@@ -717,8 +717,8 @@ class BatchRunner:
 
     def _make_monitor(self, scan, store, done: int, remaining: int):
         """Live spend, forecast and status.json for this invocation, with the budget if one is set."""
-        from runner.budget import Budget
-        from runner.status import LiveSpend, RunMonitor
+        from runner.execution.budget import Budget
+        from runner.output.status import LiveSpend, RunMonitor
 
         config = self.config
         # the scope decides what the budget counts; only a budget counts unknown costs at the mean
@@ -733,7 +733,7 @@ class BatchRunner:
 
     def _final_dataset(self, scan):
         """The dataset as it is now: rows appended (or edited) during the run belong to the merge."""
-        from runner.dataset import DatasetError, scan_dataset
+        from runner.input.dataset import DatasetError, scan_dataset
 
         try:
             if os.stat(scan.path).st_mtime_ns == scan.mtime_ns and os.stat(scan.path).st_size == scan.size:
@@ -749,7 +749,7 @@ class BatchRunner:
 
     def _write_report(self, view, stats) -> None:
         try:
-            from runner.report import write_report
+            from runner.output.report import write_report
 
             path = write_report(self.run_dir, max_full_conversations=self.config.report_samples, view=view,
                                 statistics=stats)
@@ -771,7 +771,7 @@ class BatchRunner:
                   "on this machine, unisolated. Isolate them with --sandbox=bwrap or --terminal_env=docker.")
 
     def _warn_unavailable(self, unavailable: dict[str, str]) -> None:
-        from runner.worker import fallback_toolset
+        from runner.execution.worker import fallback_toolset
         from toolset_distributions import get_distribution
         from tools.registry import TOOLSETS
 
@@ -789,8 +789,8 @@ class BatchRunner:
 
     def _tasks(self, store):
         """The rows still to run, each as the task of its next attempt."""
-        from runner.dataset import iter_rows
-        from runner.task import Task
+        from runner.input.dataset import iter_rows
+        from runner.execution.task import Task
 
         config = self.config
         for row in iter_rows(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
@@ -828,7 +828,7 @@ class BatchRunner:
 
     def _execute(self, scan, store, executor, remaining: int) -> int:
         from runner.console import progress
-        from runner.worker import failed_record
+        from runner.execution.worker import failed_record
 
         config = self.config
         monitor = self._monitor
@@ -845,7 +845,7 @@ class BatchRunner:
             while True:
                 immediate = []
                 while not self.stopping and not exhausted and executor.free_slots() > 0 and len(immediate) < 500:
-                    if not monitor.may_start():  # the cost budget (runner/budget.py)
+                    if not monitor.may_start():  # the cost budget (runner/execution/budget.py)
                         break
                     task = next(tasks, None)
                     if task is None:
@@ -915,7 +915,7 @@ class BatchRunner:
         return None
 
     def _after_commit(self, records: list[dict], counts: dict) -> None:
-        from runner.store import record_outcome
+        from runner.storage.store import record_outcome
 
         for record in records:
             outcome = record_outcome(record)
@@ -989,7 +989,7 @@ def text_flags() -> set[str]:
 
 
 def bool_flags() -> set[str]:
-    """main()'s parameters that are on or off (their value must be one of runner.flags.BOOL_WORDS)."""
+    """main()'s parameters that are on or off (their value must be one of runner.input.flags.BOOL_WORDS)."""
     import inspect
 
     return {name for name, p in inspect.signature(main).parameters.items() if p.annotation in ("bool", bool)}
@@ -997,12 +997,12 @@ def bool_flags() -> set[str]:
 
 def cli(argv: list[str] | None = None) -> None:
     if argv is None:  # the real command line: keys leave our environment and argv first (may re-exec)
-        from runner.secrets import protect_process_secrets
+        from runner.input.secrets import protect_process_secrets
 
         protect_process_secrets()
     import fire
 
-    from runner.flags import FlagError, check_argv, format_help, wants_help
+    from runner.input.flags import FlagError, check_argv, format_help, wants_help
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if wants_help(argv):

@@ -158,7 +158,7 @@ class CallStats:
         return entry
 
     def as_dict(self) -> dict:
-        """The row's `usage` (runner.records.Usage): by_model as a list sorted by model, so its
+        """The row's `usage` (runner.storage.records.Usage): by_model as a list sorted by model, so its
         schema is the same whatever models a run used."""
         data = {k: v for k, v in self.__dict__.items() if k not in ("prices", "by_model")}
         data["cost"] = round(self.cost, 8)

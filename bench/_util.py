@@ -50,12 +50,12 @@ def median(values: list[float]) -> float:
 
 
 class ModelServerProcess:
-    """`python -m tests.model_server` as a subprocess (its CPU is not the runner's)."""
+    """`python -m tests.helpers.model_server` as a subprocess (its CPU is not the runner's)."""
 
     def __init__(self, latency: float, workdir: Path):
         self.latency = latency
         self.port_file = workdir / "model_server.port"
-        self.args = [PY, "-m", "tests.model_server", "--host", "127.0.0.1", "--port", "0",
+        self.args = [PY, "-m", "tests.helpers.model_server", "--host", "127.0.0.1", "--port", "0",
                      "--latency", f"{latency:g}", "--port-file", str(self.port_file)]
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None

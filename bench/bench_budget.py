@@ -36,9 +36,9 @@ import orjson  # noqa: E402
 
 from agent.model_client import CallStats  # noqa: E402
 from agent.pricing import Prices  # noqa: E402
-from runner.budget import Budget  # noqa: E402
-from runner.spend_view import SpendTally  # noqa: E402
-from runner.status import LiveSpend, RunMonitor  # noqa: E402
+from runner.execution.budget import Budget  # noqa: E402
+from runner.output.spend_view import SpendTally  # noqa: E402
+from runner.output.status import LiveSpend, RunMonitor  # noqa: E402
 
 TARGET_MS = 1.0
 SESSIONS = 64

@@ -6,8 +6,8 @@
 
 1. Generates a JSONL file in a temp dir: prompts of 50-400 characters, some rows with `image`,
    `cwd` and/or `id` (string or integer), some exact duplicates of earlier rows.
-2. In a fresh subprocess: `runner.dataset.scan_dataset(path)` (validates every row, builds the
-   row-key -> index map), then one full pass of `runner.dataset.iter_rows(path)`, each timed; the
+2. In a fresh subprocess: `runner.input.dataset.scan_dataset(path)` (validates every row, builds the
+   row-key -> index map), then one full pass of `runner.input.dataset.iter_rows(path)`, each timed; the
    subprocess's peak RSS is `resource.getrusage(RUSAGE_SELF).ru_maxrss`, read after each step.
 3. The real CLI on the same file (`--model=mock --distribution=minimal --num_workers=64`, no
    --max_samples): time from process start to its "🚀 Running" line ("time to first dispatch"),
@@ -86,12 +86,12 @@ def generate(path: Path, rows: int, seed: int = 4) -> dict:
 
 
 def child(path: str) -> None:
-    """`--child PATH`: the measured part, in a fresh interpreter that imports only runner.dataset."""
+    """`--child PATH`: the measured part, in a fresh interpreter that imports only runner.input.dataset."""
     import resource
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     t0 = time.perf_counter()
-    from runner.dataset import iter_rows, scan_dataset
+    from runner.input.dataset import iter_rows, scan_dataset
 
     maxrss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # noqa: E731  (KB on Linux)
     out = {"import_s": time.perf_counter() - t0, "maxrss_import_kb": maxrss()}
@@ -193,7 +193,7 @@ def main() -> None:
               f"median of {opts.repeat} run(s) ===")
         print_table(["measure", "value"], [
             ["valid rows / errors / distinct images", f"{n:,} / {s0['errors']} / {s0['images']}"],
-            ["import runner.dataset (s)", f"{s0['import_s']:.2f}"],
+            ["import runner.input.dataset (s)", f"{s0['import_s']:.2f}"],
             ["scan_dataset (s)", f"{scan_s:.2f}  ({scan_s / n * 1e6:.1f} us/row)"],
             ["iter_rows, one pass (s)", f"{iter_s:.2f}  ({iter_s / n * 1e6:.1f} us/row)"],
             ["scan + iter (s, target <= 30)", f"{both_s:.2f}"],

@@ -29,7 +29,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runner.report import summarise_run, write_report  # noqa: E402
+from runner.output.report import summarise_run, write_report  # noqa: E402
 from tools.registry import ALL_TOOL_NAMES  # noqa: E402
 
 BATCH_SIZE = 1000

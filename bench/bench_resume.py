@@ -11,7 +11,7 @@ Set-up (timed, not a target):
    and gives a real committed line to use as the template; its outputs except config.json are
    then removed;
 3. ROWS synthetic committed rows (the template with the row's own prompt_index, row_key and
-   prompt, padded to ~3 KB) written through `runner.store.RunStore.commit` with batch_size 1,000
+   prompt, padded to ~3 KB) written through `runner.storage.store.RunStore.commit` with batch_size 1,000
    (so 1,000 lines per batch file, fsynced, and checkpoint.json exactly as the runner writes it).
 
 Then `batch_runner.py ... --resume --model=mock` is timed from process start to its lines
@@ -66,8 +66,8 @@ def build_run(tmp: Path, rows: int) -> tuple[Path, Path, dict]:
     """The dataset and the run directory with `rows` committed rows; returns (dataset, run_dir, info)."""
     import orjson
 
-    from runner.dataset import iter_rows
-    from runner.store import RunStore
+    from runner.input.dataset import iter_rows
+    from runner.storage.store import RunStore
 
     info = {}
     t0 = time.perf_counter()
@@ -137,7 +137,7 @@ def build_run(tmp: Path, rows: int) -> tuple[Path, Path, dict]:
 
 def reset(run_dir: Path, files: int, checkpoint: bytes | None) -> None:
     """Put the run directory back: only the synthetic batch files and config.json (+ checkpoint)."""
-    from runner.store import BATCH_FILE
+    from runner.storage.store import BATCH_FILE
 
     for path in run_dir.iterdir():
         m = BATCH_FILE.match(path.name)

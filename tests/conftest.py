@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.model_server import ModelServer
+from tests.helpers.model_server import ModelServer
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET_KEY = "sk-test-0123456789-SECRET"

@@ -1,7 +1,7 @@
 """Run-wide tool configuration, shared by every session of a run.
 
 Filled once by the CLI (flags, then environment variables) and sent to the worker processes.
-The flags' checks are the fields' constraints (runner/config.py turns a failed one into the CLI's
+The flags' checks are the fields' constraints (runner/input/config.py turns a failed one into the CLI's
 one-line error). Secrets are SecretStr: they never appear in config.json, logs or trajectories.
 The model endpoint's key is not here: tools that call a model (vision, moa, browser_vision) do so
 through the session's model client (`ToolContext.model`), which holds it.
@@ -89,7 +89,7 @@ class ToolSettings(BaseModel):
 
     @model_validator(mode="after")
     def _keys_fit_an_http_header(self):
-        from runner.secrets import check_header_safe
+        from runner.input.secrets import check_header_safe
 
         for name in ("tavily_api_key", "exa_api_key", "brave_api_key", "firecrawl_api_key", "fal_key", "images_api_key"):
             check_header_safe(f"the key in {name.upper()}", getattr(self, name))

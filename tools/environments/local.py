@@ -46,7 +46,7 @@ _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE
 # left our process group (setsid, daemons), without ever touching another session's processes.
 _MARKER_VAR = "ABR_LOCAL_SESSION"
 # ... and the task it runs for ("<run id>-p<row>-a<attempt>"), so that what a dead worker or a killed
-# run left running can be found after the fact (runner/leftovers.py) by task or by run.
+# run left running can be found after the fact (runner/storage/leftovers.py) by task or by run.
 _TASK_VAR = "ABR_TASK_ID"
 # Host folders that hold sockets (the Docker engine's /run/docker.sock, D-Bus, systemd, containerd)
 # or container filesystems: each gets an empty tmpfs inside the sandbox. /var/run is mostly a

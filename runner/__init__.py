@@ -1,0 +1,11 @@
+"""The run's parts, grouped by the stage of a run they serve (batch_runner.py drives them in order).
+
+    input/      the command line, the validated configuration, the dataset, the keys
+    execution/  handing tasks to workers (process pool or Ray), one prompt in a worker, the budget
+    storage/    the run directory: the committed records, the run view that reads them, the lock
+    output/     what a run leaves for people: trajectories.jsonl, statistics.json, status, report.html
+    console.py  wording shared by every stage's messages
+
+Imports go down this list and never up: input imports nothing of the runner's, execution may import
+input, storage may import input, output may import storage and input; console.py imports nothing.
+"""

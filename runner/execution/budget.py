@@ -1,0 +1,134 @@
+"""The cost budget (`--max_cost`): when to stop starting rows, and when to cancel the ones in flight.
+
+Spend is only known for committed attempts, so the decision uses committed spend plus the expected
+spend of the rows in flight (each at the mean cost of a committed attempt that reached the model).
+Once that reaches the budget no new row starts; the rows in flight finish and are committed, so the
+run ends within the budget plus what those rows cost. Before the first attempt commits there is no
+estimate: the first wave of rows (at most --num_workers) starts, which is the same bound.
+
+With `--max_cost_hard` the rows in flight are cancelled (not committed; they run again on resume)
+as soon as committed spend plus an estimate of what they have spent so far (the mean attempt cost,
+in proportion to how long each has run of the mean attempt duration) reaches the budget.
+
+The budget is for the run across invocations (`--max_cost_scope=run`, the default: the spend of
+earlier invocations, read from the committed lines, counts) or for this invocation alone
+(`--max_cost_scope=invocation`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from agent.pricing import Prices
+
+SCOPES = ("run", "invocation")
+# Endpoints that report every request's cost in the reply (OpenRouter's usage.cost).
+_REPORTS_COST = re.compile(r"^https?://([a-z0-9-]+\.)*openrouter\.ai(:\d+)?(/|$)", re.IGNORECASE)
+
+
+def _non_negative(value: Any, flag: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"--{flag} must be a number >= 0 (got {value!r})")
+    return float(value)
+
+
+def cost_options(flags: dict, model: str, base_url: str | None) -> dict:
+    """RunConfig fields of the price and budget flags; ValueError with one clear line when bad."""
+    price_in = _non_negative(flags.get("price_input_per_mtok"), "price_input_per_mtok")
+    price_out = _non_negative(flags.get("price_output_per_mtok"), "price_output_per_mtok")
+    price_cached = _non_negative(flags.get("price_cached_input_per_mtok"), "price_cached_input_per_mtok")
+    prices = None
+    if price_in is not None or price_out is not None or price_cached is not None:
+        if price_in is None or price_out is None:
+            raise ValueError("--price_input_per_mtok and --price_output_per_mtok go together (give both; "
+                             "--price_cached_input_per_mtok is optional and defaults to the input price)")
+        prices = Prices(input_per_mtok=price_in, output_per_mtok=price_out, cached_input_per_mtok=price_cached)
+    max_cost = flags.get("max_cost")
+    if max_cost is not None and (isinstance(max_cost, bool) or not isinstance(max_cost, (int, float)) or max_cost <= 0):
+        raise ValueError(f"--max_cost must be a positive number of USD (got {max_cost!r})")
+    scope = flags.get("max_cost_scope")  # None: RunConfig's default (run)
+    if scope is not None and scope not in SCOPES:
+        raise ValueError(f"--max_cost_scope must be run or invocation (got {scope!r})")
+    hard = bool(flags.get("max_cost_hard"))
+    if max_cost is None and hard:
+        raise ValueError("--max_cost_hard needs --max_cost")
+    if max_cost is not None and prices is None and model != "mock" and not _REPORTS_COST.match(base_url or ""):
+        raise ValueError(
+            f"--max_cost needs the cost of every request, and {base_url} is not known to report it: pass "
+            "--price_input_per_mtok and --price_output_per_mtok (USD per million tokens; a cost the endpoint "
+            "does report, such as LiteLLM's x-litellm-response-cost header, still wins)"
+        )
+    options = {"prices": prices, "max_cost": None if max_cost is None else float(max_cost), "max_cost_hard": hard}
+    return options if scope is None else {**options, "max_cost_scope": scope}
+
+
+class Budget:
+    """Decides, from the live spend figures, whether a row may start and whether to cancel."""
+
+    def __init__(self, limit: float, hard: bool, spend):
+        self.limit = limit
+        self.hard = hard
+        self.spend = spend  # runner.output.status.LiveSpend: committed spend in the budget's scope
+        self.started: dict[str, float] = {}  # row key -> monotonic start, of the rows in flight
+        self.reached = False  # the budget stopped the run from starting rows
+        self.unmeasurable = False  # ... because no committed attempt had a known cost
+        self.cancelled = 0  # rows in flight cancelled at the budget (--max_cost_hard)
+        self.cancelled_estimate = 0.0  # what they had spent, by the estimate that cancelled them
+
+    def on_start(self, key: str) -> None:
+        self.started[key] = time.monotonic()
+
+    def on_commit(self, key: str) -> None:
+        self.started.pop(key, None)
+
+    def expected_in_flight(self) -> float:
+        return len(self.started) * (self.spend.mean_attempt_cost() or 0.0)
+
+    def may_start(self) -> bool:
+        """False once committed spend plus the expected spend of the rows in flight reaches the limit."""
+        spent = self.spend.budget_cost()
+        if spent is None:  # attempts without a cost and nothing to estimate them by: stop, do not guess 0
+            self.reached = self.unmeasurable = True
+        elif spent + self.expected_in_flight() >= self.limit:
+            self.reached = True
+        return not self.reached
+
+    def cancel_now(self) -> bool:
+        """--max_cost_hard: the rows in flight have (by estimate) used up what the budget has left."""
+        if not self.hard or not self.started:
+            return False
+        mean_cost = self.spend.mean_attempt_cost() or 0.0
+        mean_duration = self.spend.mean_attempt_duration()
+        now = time.monotonic()
+        so_far = sum(mean_cost * (min(1.0, (now - t) / mean_duration) if mean_duration else 1.0)
+                     for t in self.started.values())
+        if (self.spend.budget_cost() or 0.0) + so_far >= self.limit:
+            self.reached = True
+            self.cancelled = len(self.started)
+            self.cancelled_estimate = so_far
+            return True
+        return False
+
+    def stop_message(self, scope: str, forecast_high: float | None = None) -> str:
+        spent = self.spend.budget_cost()
+        if spent is None:
+            return ("💸 Stopped: the endpoint reported no cost for the committed attempts, so --max_cost could not be "
+                    "enforced.\n   To continue: run again with --resume and --price_input_per_mtok / "
+                    "--price_output_per_mtok (USD per million tokens).")
+        where = "across this run's invocations" if scope == "run" else "in this invocation"
+        about = " (an estimate)" if self.spend.estimated_attempts else ""
+        lines = [f"💸 Stopped at the cost budget: ${spent:.4f}{about} spent {where} of --max_cost=${self.limit:g}."]
+        if self.cancelled:
+            lines.append(f"   {self.cancelled} row(s) in flight were cancelled (--max_cost_hard); they were not "
+                         "committed and run again on resume; what they had spent (about "
+                         f"${self.cancelled_estimate:.4f} by estimate) is not in these figures.")
+        if self.spend.estimated_attempts:
+            lines.append(f"   {self.spend.estimated_attempts} attempt(s) reported no cost and were counted at the mean "
+                         "attempt cost (the budget must decide; statistics.json says the cost is unknown).")
+        hint = f"; the forecast for every row is up to ${forecast_high:.4f}" if forecast_high else ""
+        lines.append(f"   To continue: run the same command with --resume --max_cost=HIGHER (more than {spent:.4f}{hint}).")
+        return "\n".join(lines)

@@ -1,0 +1,232 @@
+"""Runs rows on a pool of worker processes, each running many sessions at once.
+
+The parent hands each worker at most as many rows as it has session slots, so it always knows
+which rows are in flight where: when a worker dies, its rows come back as failed records (retried
+on resume) instead of vanishing. Results return in completion order; scheduling is per row, so a
+slow prompt holds one slot, never a batch.
+
+Each worker has its own pipe to the parent, used for nothing else: tasks go down it, records and
+log lines come back. A shared queue would let a worker killed halfway through a large message
+leave the reader waiting forever for the rest; on a pipe of its own, a dead worker's half-sent
+message ends in end-of-file, which reads as that worker's death. The same pipe tells the worker
+that the parent died: its end reads end-of-file too, whatever killed the parent.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+
+from runner.input.config import RunConfig
+from runner.console import plural
+from runner.execution.task import Task
+from runner.execution.worker import failed_record, worker_main
+
+
+@dataclass
+class _Worker:
+    slot: int
+    process: mp.Process
+    conn: object  # multiprocessing Connection: tasks down, ("result" | "log", payload) up
+    slots: int
+    in_flight: dict[str, Task] = field(default_factory=dict)  # row key -> task
+    broken: bool = False  # its pipe ended (EOF, or a message cut short): the worker is dead or dying
+    retired: bool = False  # its slot died too often in a short time and is not restarted
+
+
+class DeathWindow:
+    """The deaths of one worker slot in a sliding time window.
+
+    Deaths spread over hours (an OOM kill now and then) are part of a long run; many deaths in a
+    short time are a crash loop, and restarting the worker again would only spin.
+    """
+
+    def __init__(self, limit: int, window: float, clock=time.monotonic):
+        self.limit, self.window, self.clock = limit, window, clock
+        self.deaths: deque[float] = deque()
+
+    def record(self) -> bool:
+        """Note one death; True when `limit` deaths fell within the last `window` seconds."""
+        now = self.clock()
+        self.deaths.append(now)
+        while self.deaths and now - self.deaths[0] > self.window:
+            self.deaths.popleft()
+        return len(self.deaths) >= self.limit
+
+
+class ProcessExecutor:
+    """An Executor (runner/execution/executor.py) on a pool of worker processes on this machine."""
+
+    CRASH_LOOP_DEATHS = 5  # deaths of one worker slot ...
+    CRASH_LOOP_WINDOW = 60.0  # ... within this many seconds stop the run instead of spinning
+    DRAIN_LIMIT = 2000  # messages read from one worker per poll, so one busy worker cannot starve the rest
+
+    def __init__(self, config: RunConfig, unavailable: dict[str, str], sessions: int, processes: int, log=print):
+        self.config = config
+        self.unavailable = unavailable
+        self.log = log
+        processes = max(1, min(processes, sessions))
+        base, extra = divmod(sessions, processes)
+        self.slot_plan = [base + (1 if i < extra else 0) for i in range(processes)]
+        # forkserver: a clean server process (no inherited threads or locks from the parent)
+        # imports the worker code once, then forks every worker ready to run: one import of the
+        # model SDK per run instead of one per process, and workers ready sooner.
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["runner.execution.worker", "agent.model_client", "openai"])
+        self.workers: list[_Worker] = []
+        self._deaths = [DeathWindow(self.CRASH_LOOP_DEATHS, self.CRASH_LOOP_WINDOW) for _ in self.slot_plan]
+        self.stop_reason: str | None = None  # set when workers keep dying: the run should stop
+        self._closed = False
+
+    def describe(self) -> str:
+        return f"{plural(sum(self.slot_plan), 'session')} on {plural(len(self.slot_plan), 'process', 'processes')}"
+
+    def start(self) -> None:
+        for slot, sessions in enumerate(self.slot_plan):
+            self.workers.append(self._spawn(slot, sessions))
+
+    def _spawn(self, slot: int, sessions: int) -> _Worker:
+        ours, theirs = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=worker_main,
+            args=(slot, self.config, self.unavailable, sessions, theirs),
+            name=f"abr-worker-{slot}",
+            daemon=True,
+        )
+        process.start()
+        theirs.close()  # only the worker holds its end now, so its death reads as end-of-file here
+        return _Worker(slot, process, ours, sessions)
+
+    def _live(self) -> list[_Worker]:
+        return [w for w in self.workers if not w.retired]
+
+    def free_slots(self) -> int:
+        return sum(w.slots - len(w.in_flight) for w in self._live() if not w.broken)
+
+    def in_flight(self) -> int:
+        return sum(len(w.in_flight) for w in self.workers)
+
+    def submit(self, task: Task) -> None:
+        worker = max((w for w in self._live() if not w.broken), key=lambda w: w.slots - len(w.in_flight))
+        worker.in_flight[task.key] = task  # before sending: if the worker is dead, the row fails below
+        try:
+            worker.conn.send(task)
+        except OSError:
+            worker.broken = True  # the next poll reaps it and fails its rows
+
+    def poll(self, timeout: float) -> list[dict]:
+        """Records that finished since the last call (waits up to `timeout` for the first)."""
+        live = [w for w in self._live() if not w.broken]
+        records: list[dict] = []
+        ready = set(wait([w.conn for w in live] + [w.process.sentinel for w in live], timeout))
+        for worker in live:
+            if worker.conn in ready:
+                self._drain(worker, records)
+        records.extend(self._reap_dead_workers())
+        return records
+
+    def _drain(self, worker: _Worker, records: list[dict] | None) -> None:
+        """Read the worker's complete messages; end-of-file or a message cut short marks it broken."""
+        for _ in range(self.DRAIN_LIMIT):
+            try:
+                if not worker.conn.poll():
+                    return
+                kind, payload = worker.conn.recv()
+            except (EOFError, OSError, pickle.UnpicklingError):
+                worker.broken = True
+                return
+            if kind == "result":
+                worker.in_flight.pop(payload["metadata"]["row_key"], None)
+                if records is not None:
+                    records.append(payload)
+            elif kind == "log":
+                self.log(payload)
+
+    def _reap_dead_workers(self) -> list[dict]:
+        lost: list[dict] = []
+        for worker in self._live():
+            if not worker.broken and worker.process.is_alive():
+                continue
+            if worker.process.is_alive():  # its pipe broke under it: whatever it still does is lost
+                worker.process.kill()
+            worker.process.join(5.0)
+            if not worker.broken:  # it died with whole messages still in the pipe: take them first
+                self._drain(worker, lost)
+            code = worker.process.exitcode
+            tasks = list(worker.in_flight.values())
+            for task in tasks:
+                lost.append(failed_record(task, self.config, f"worker process died (exit code {code})", "agent"))
+            worker.in_flight.clear()
+            worker.conn.close()
+            _clean_after_worker(self.config, tasks, self.log)
+            if self._deaths[worker.slot].record():
+                worker.retired = True
+                self.stop_reason = (
+                    f"worker process {worker.slot} died {self.CRASH_LOOP_DEATHS} times within "
+                    f"{self.CRASH_LOOP_WINDOW:g}s (last exit code {code})"
+                )
+                self.log(f"⚠️  Worker {worker.slot} died (exit code {code}); {len(tasks)} row(s) failed; "
+                         f"it keeps dying, so it is not restarted")
+                continue
+            self.log(f"⚠️  Worker {worker.slot} died (exit code {code}); {len(tasks)} row(s) failed, restarting it")
+            self.workers[self.workers.index(worker)] = self._spawn(worker.slot, worker.slots)
+        return lost
+
+    def shutdown(self, abandon: bool = False, timeout: float = 15.0) -> None:
+        """Stop the workers (once). abandon=True cancels in-flight sessions (their sandboxes are removed)."""
+        if self._closed:
+            return
+        self._closed = True
+        workers = [w for w in self.workers if w.process.is_alive()]
+        for worker in workers:
+            if abandon:
+                worker.process.terminate()  # SIGTERM: the worker cancels its sessions and cleans up
+            else:
+                try:
+                    worker.conn.send(None)
+                except OSError:
+                    worker.process.terminate()
+        deadline = time.monotonic() + timeout
+        while any(w.process.is_alive() for w in workers) and time.monotonic() < deadline:
+            # Keep reading while they stop, so none waits on a full pipe (what comes now is not committed).
+            pipes = [w.conn for w in workers if not w.broken and not w.conn.closed]
+            ready = set(wait(pipes + [w.process.sentinel for w in workers], min(0.5, max(0.0, deadline - time.monotonic()))))
+            for worker in workers:
+                if worker.conn in ready:
+                    self._drain(worker, None)
+        for worker in self.workers:
+            if worker.process.is_alive():
+                worker.process.kill()
+            worker.process.join(1.0)
+            if not worker.conn.closed:
+                worker.conn.close()
+        _stop_fork_server()
+
+    def terminate(self) -> None:
+        """Signal every worker to cancel its sessions and remove their sandboxes; do not wait."""
+        for worker in self.workers:
+            if worker.process.is_alive():
+                worker.process.terminate()
+
+
+def _clean_after_worker(config: RunConfig, tasks: list[Task], log) -> None:
+    """A dead worker could not clean up after its sessions: do it here, off the dispatch loop."""
+    from runner.storage.leftovers import clean_task_leftovers
+
+    threading.Thread(target=clean_task_leftovers, args=(config.tools, [t.task_id for t in tasks], log),
+                     name="abr-reaper", daemon=True).start()
+
+
+def _stop_fork_server() -> None:
+    """Stop and reap the fork server, so no process of the run outlives it (and the workers' CPU
+    time, which the fork server collected when it reaped them, is accounted to the runner)."""
+    from multiprocessing import forkserver
+
+    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)  # private, hence guarded
+    if stop is not None:
+        stop()

@@ -1,0 +1,336 @@
+"""One prompt, start to finish, and the worker process that runs many of them at once.
+
+A worker process runs an asyncio loop with many concurrent sessions: a session spends nearly all
+its time waiting for the model, so an extra session costs a coroutine and a little memory, not a
+process. Blocking work (subprocesses, the Docker SDK, file IO) runs in threads via
+`asyncio.to_thread`. Workers never touch the run directory: every outcome goes back to the parent
+as a record, and the parent commits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import Any
+
+from agent.loop import LoopConfig, run_conversation
+from agent.model_client import CallStats, ModelClient, RetryPolicy, SessionModel
+from agent.trajectory import extract_reasoning_stats, extract_tool_stats, normalise_tool_stats, to_sharegpt
+from agent.types import ProviderError
+from runner.input.config import RunConfig
+from tools.environments.base import SandboxError, become_subreaper, kill_orphans
+from runner.storage.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, Usage, as_dict, dropped_lines, note_lines
+from runner.execution.task import Task
+from tools.registry import ToolContext, tools_for_toolsets
+from toolset_distributions import get_distribution, rng_for_row, sample_toolsets_from_distribution
+
+class WorkerRuntime:
+    """What one worker process shares between its sessions: built once, not per prompt."""
+
+    def __init__(self, config: RunConfig, unavailable: dict[str, str], sessions: int, log=None):
+        self.config = config
+        self.unavailable = unavailable
+        self.log = log or (lambda text: None)
+        if config.model == "mock":
+            from agent.mock_model import MockModelClient
+
+            self.client: Any = MockModelClient()
+        else:
+            self.client = ModelClient(
+                config.base_url,
+                config.api_key.get_secret_value() if config.api_key else None,
+                max_in_flight=sessions,
+                # The run's budget is shared between processes in proportion to their sessions.
+                requests_per_minute=(config.max_requests_per_minute * sessions / max(sessions, config.num_workers)
+                                     if config.max_requests_per_minute else None),
+                policy=RetryPolicy(request_timeout=config.request_timeout),
+                prompt_caching=config.prompt_caching,
+            )
+        self.loop_config = LoopConfig(
+            max_iterations=config.max_turns,
+            ephemeral_system_prompt=config.ephemeral_system_prompt,
+            prefill_messages=list(config.prefill_messages),
+        )
+
+
+def _metadata(task: Task, config: RunConfig, started: float | None, session: SessionModel | None,
+              **extra: Any) -> Metadata:
+    stats = session.stats if session else None
+    return Metadata(
+        timestamp=datetime.now().isoformat(),
+        model=config.model,
+        row_key=task.key,
+        id=task.id,
+        run_id=config.tools.run_id,
+        attempt=task.attempt,
+        duration_seconds=round(time.monotonic() - started, 3) if started is not None else 0.0,
+        usage=Usage.of(stats.as_dict()) if stats else Usage(),
+        seed=task.seed,
+        **extra,
+    )
+
+
+def _message(err: Exception) -> str:
+    """An error's text; an exception raised without one is still named (a failure line is never empty)."""
+    return str(err).strip() or type(err).__name__
+
+
+def failed_record(task: Task, config: RunConfig, error: str, error_class: str, *,
+                  started: float | None = None, session: SessionModel | None = None, **metadata: Any) -> dict:
+    """The record of a failed attempt: never merged into trajectories.jsonl, retried on resume."""
+    return as_dict(FailedRecord(
+        prompt_index=task.index,
+        failed=True,
+        error=error,
+        error_class=error_class,
+        prompt=task.prompt,
+        metadata=_metadata(task, config, started, session, stop_reason="failed", **metadata),
+    ))
+
+
+async def _cleanup(ctx: ToolContext | None, env: Any) -> None:
+    if ctx is not None:
+        for fn in reversed(ctx.cleanups):
+            try:
+                value = fn()
+                if asyncio.iscoroutine(value):
+                    await value
+            except Exception:
+                pass
+    if env is not None:
+        try:
+            await asyncio.to_thread(env.cleanup)
+        except Exception:
+            pass
+
+
+def fallback_toolset(distribution: str, unavailable: dict[str, str]) -> str | None:
+    """The distribution's highest-percentage toolset that offers at least one tool in this run
+    (ties: the first in the distribution's order); None when none of its toolsets can.
+
+    A row whose draw offers nothing gets it, so no row is run without tools only because its draw
+    fell on toolsets this run cannot serve (and toolsets_used is never empty in such a run)."""
+    candidates = [(ts, p) for ts, p in get_distribution(distribution)["toolsets"].items()
+                  if tools_for_toolsets([ts], unavailable)]
+    return max(candidates, key=lambda item: item[1])[0] if candidates else None  # max keeps the first
+
+
+async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
+    """Run one dataset row and return the record to commit (ok, discarded or failed)."""
+    config = runtime.config
+    started = time.monotonic()
+    session: SessionModel | None = None
+    ctx: ToolContext | None = None
+    env = None
+    offered: dict[str, Any] = {}  # what the model was offered, for the record of a failure too
+    try:
+        toolsets = sample_toolsets_from_distribution(config.distribution, rng_for_row(task.seed, task.key))
+        offering = toolsets
+        tools = tools_for_toolsets(offering, runtime.unavailable)
+        if not tools:  # the draw offers nothing that can run here: as the original does for an empty draw
+            fallback = fallback_toolset(config.distribution, runtime.unavailable)
+            offering = [fallback] if fallback else []
+            tools = tools_for_toolsets(offering, runtime.unavailable)
+        # The toolsets the model really got: at least one of their tools was offered.
+        offered_toolsets = {spec.toolset for spec in tools}
+        toolsets_used = [ts for ts in offering if ts in offered_toolsets]
+        offered = {"tools_offered": [spec.name for spec in tools], "toolsets_sampled": list(toolsets)}
+        session = SessionModel(runtime.client, config.model, config.max_tokens, config.extra_body(),
+                               stats=CallStats(prices=config.request_prices), tool_choice=config.tool_choice)
+        if any(spec.needs_sandbox for spec in tools):
+            from tools.environments import create_environment
+
+            env = create_environment(config.tools, task_id=task.task_id, image=task.image, cwd=task.cwd)
+            await asyncio.to_thread(env.start)
+        ctx = ToolContext(env=env, settings=config.tools, model=session, task_id=task.task_id)
+        runtime.log(f"[P{task.index}] toolsets {toolsets}, {len(tools)} tools")
+        result = await asyncio.wait_for(
+            run_conversation(task.prompt, model=session, tools=tools, ctx=ctx, config=runtime.loop_config),
+            config.prompt_timeout,
+        )
+        raw_stats = extract_tool_stats(result.messages)
+        tool_stats, tool_error_counts = normalise_tool_stats(raw_stats)
+        reasoning_stats = extract_reasoning_stats(result.messages)
+        metadata = _metadata(
+            task,
+            config,
+            started,
+            session,
+            stop_reason=result.error or ("turn_limit" if result.hit_turn_limit else "final_answer"),
+            dropped_replies=dropped_lines(result.dropped_replies),
+            loop_notes=note_lines(result.loop_notes),
+            **offered,
+        )
+        common = {
+            "metadata": metadata,
+            "api_calls": result.api_calls,
+            "toolsets_used": toolsets_used,
+            "tool_stats": tool_stats,
+            "tool_error_counts": tool_error_counts,
+            "reasoning_stats": reasoning_stats,
+        }
+        if config.discard_without_reasoning and reasoning_stats["turns_with_reasoning"] == 0:
+            return as_dict(DiscardedRecord(prompt_index=task.index, discarded="no_reasoning",
+                                           prompt=task.prompt.strip(), **common))
+        return as_dict(OkRecord(
+            prompt_index=task.index,
+            conversations=to_sharegpt(result.messages, task.prompt, tools),
+            completed=result.completed,
+            partial=result.partial,
+            **common,
+        ))
+    except ProviderError as err:
+        return failed_record(task, config, _message(err), err.error_class, started=started, session=session, **offered)
+    except SandboxError as err:
+        return failed_record(task, config, f"environment: {_message(err)}", "environment", started=started,
+                             session=session, **offered)
+    except asyncio.TimeoutError:
+        error = f"prompt took longer than {config.prompt_timeout:g}s"
+        return failed_record(task, config, error, "timeout", started=started, session=session, **offered)
+    except Exception as err:  # a bug in our code fails this row only, with its traceback
+        detail = "".join(traceback.format_exception_only(type(err), err)).strip()
+        runtime.log(f"[P{task.index}] agent error:\n{traceback.format_exc()}")
+        return failed_record(task, config, detail, "agent", started=started, session=session, **offered)
+    finally:
+        await _cleanup(ctx, env)
+
+
+# --- the worker process ---------------------------------------------------------------------
+
+HARD_EXIT_AFTER = 3.0  # seconds an orphaned worker may spend removing its sessions' sandboxes
+
+
+def worker_main(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, conn) -> None:
+    """Entry point of a worker process: serve tasks from the parent's pipe until a None arrives.
+
+    `conn` is this worker's own pipe to the parent: tasks come down it, ("result", record) and
+    ("log", text) go up. End-of-file on it means the parent died: the worker then cancels its
+    sessions (which removes their sandboxes) and exits within HARD_EXIT_AFTER seconds.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides how to stop on Ctrl-C
+    _die_with_parent()
+    become_subreaper()  # what commands detach (setsid, env -i) stays ours to kill
+    try:
+        asyncio.run(_serve(worker_id, config, unavailable, sessions, conn))
+    finally:
+        kill_orphans(everything=True)  # nothing a session started outlives its worker
+
+
+def _die_with_parent() -> None:
+    """Make the fork server exit with the runner, and this worker with the fork server.
+
+    Every forked worker inherits the write end of the fork server's "alive" pipe; the fork server
+    exits only when all of them are closed, so as long as a worker holds one, a runner killed with
+    SIGKILL leaves the fork server running, and the fork server keeps its workers. Closing our copy
+    leaves the runner as its only holder. PR_SET_PDEATHSIG then sends us SIGTERM when the fork
+    server (our parent) goes; the pipe to the runner is the main signal, this is the second one.
+    """
+    try:
+        from multiprocessing import forkserver
+
+        server = getattr(forkserver, "_forkserver", None)
+        fd = getattr(server, "_forkserver_alive_fd", None)  # private, hence guarded
+        if fd is not None:
+            os.close(fd)
+            server._forkserver_alive_fd = None
+    except OSError:
+        pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _hard_exit() -> None:
+    kill_orphans(everything=True)
+    os._exit(0)
+
+
+async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, conn) -> None:
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+    outbox: queue.SimpleQueue = queue.SimpleQueue()  # sent in order by one thread, off the event loop
+    verbose = config.verbose
+
+    def log(text: str) -> None:
+        if verbose:
+            outbox.put(("log", text))
+
+    runtime = WorkerRuntime(config, unavailable, sessions, log)
+    running: set[asyncio.Task] = set()
+
+    def stop_now() -> None:  # cancel sessions; their finally blocks remove sandboxes
+        for t in list(running):
+            t.cancel()
+        inbox.put_nowait(None)
+
+    def parent_gone() -> None:  # nobody would commit our results: stop paying for them now
+        timer = threading.Timer(HARD_EXIT_AFTER, _hard_exit)
+        timer.daemon = True
+        timer.start()
+        stop_now()
+
+    def call_soon(fn, *args) -> None:  # from a thread; the loop may be closed by now
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
+
+    def read_tasks() -> None:  # Connection.recv blocks, so it lives in its own thread
+        while True:
+            try:
+                item = conn.recv()
+            except (EOFError, OSError):  # the parent's end is closed: it died
+                call_soon(parent_gone)
+                return
+            call_soon(inbox.put_nowait, item)
+            if item is None:
+                return
+
+    def send_results() -> None:  # one sender, so messages never interleave on the pipe
+        while (item := outbox.get()) is not None:
+            try:
+                conn.send(item)
+            except OSError:
+                call_soon(parent_gone)
+                return
+
+    loop.add_signal_handler(signal.SIGTERM, stop_now)
+    # Blocking work (sandbox start, commands, cleanup) runs in threads: one per session, so a
+    # session never waits for another's thread (the default pool has only CPU count + 4).
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=sessions + 4, thread_name_prefix="abr-io"))
+    threading.Thread(target=read_tasks, name="abr-tasks", daemon=True).start()
+    sender = threading.Thread(target=send_results, name="abr-results", daemon=True)
+    sender.start()
+
+    async def handle(task: Task) -> None:
+        try:
+            record = await process_row(task, runtime)
+        except Exception as err:  # never leave the parent waiting for a row that has no answer
+            record = failed_record(task, config, f"worker error: {type(err).__name__}: {err}", "agent")
+        outbox.put(("result", record))
+
+    while True:
+        task = await inbox.get()
+        if task is None:
+            break
+        job = asyncio.create_task(handle(task))
+        running.add(job)
+        job.add_done_callback(running.discard)
+    if running:
+        await asyncio.gather(*running, return_exceptions=True)
+    outbox.put(None)
+    await asyncio.to_thread(sender.join, 10.0)  # every result reaches the parent before we exit
+    await runtime.client.close()
+    if "tools.browser_tools" in sys.modules:  # only if a session used the browser in this process
+        await sys.modules["tools.browser_tools"].shutdown_browser()

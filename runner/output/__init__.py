@@ -1,0 +1,6 @@
+"""Output: what a run leaves for people, built from the run view: trajectories.jsonl and
+statistics.json (finalize.py), report.html (report.py, spend_view.py), the live status
+(status.py: console spend line, forecast, status.json).
+
+May import runner.input and runner.storage.
+"""

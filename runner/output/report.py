@@ -1,0 +1,674 @@
+"""report.html: one self-contained page to look at a run, rebuilt from the run's files.
+
+The page never counts by itself: every count (outcomes, failures by class, tool and reasoning
+figures, spend) is the statistics dict of `runner.output.finalize.build_statistics`, made from the same
+run view (runner/storage/runview.py) that wrote trajectories.jsonl. What this module adds are charts
+(timeline, histograms, toolset shares, throughput) and a compact summary of every row plus the
+full conversations of a bounded, deterministic sample. At the end of a run the runner hands over
+its view (`report_details` is the per-row hook the view calls while it reads, so the batch files
+are read once); `--report` builds the same view from the files and the dataset named in
+config.json.
+
+Why the charts are inline SVG drawn by about 200 lines of our own JavaScript, not a chart
+library: the report must open from disk on an offline machine years later, so everything has to
+be inline (no CDN). Vendoring a library would add 200 KB to 3 MB of third-party code to every
+report, plus a licence and an upgrade path to look after, for six simple chart types (horizontal
+bars, histograms, a target marker, a cumulative area over time, a 100 % bar and a meter). SVG is
+vector (sharp at any zoom and in print), its text is real text that can be selected, searched,
+read by screen readers and by the browser test, it takes the page's CSS, and every mark carries a
+`<title>` tooltip with the exact figure. The numbers themselves are computed here, in Python,
+where they are unit-tested; the JavaScript only draws them.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import math
+import os
+import re
+import tempfile
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+
+from runner.storage.records import LineFields, dropped_lines, note_lines
+from runner.storage.runview import Detail, RowEntry, RunView, parse_time, read_run
+from runner.output.spend_view import read_invocations
+from runner.storage.store import batch_files, keep_mode
+
+REPORT_NAME = "report.html"
+TEMPLATE = Path(__file__).with_name("report_template.html")
+PREVIEW_CHARS = 120
+ERROR_CHARS = 200
+ID_CHARS = 60
+TIMELINE_BUCKETS = 120
+# Size bounds of the embedded conversations: one value (a reasoning block, a tool result) keeps
+# its head and tail; once a conversation or the whole report is past its budget, values shrink.
+VALUE_CHARS = 16_000
+VALUE_CHARS_TIGHT = 2_000
+CONVERSATION_CHARS = 200_000
+REPORT_CONVERSATION_CHARS = 24_000_000
+
+# Row outcome codes on the page; "ok" in statistics.json is OK + PARTIAL.
+OK, PARTIAL, DISCARDED, FAILED = 0, 1, 2, 3
+OUTCOME_NAMES = ("ok", "partial", "discarded", "failed")
+_MARKER = re.compile(rb"\{\{([A-Z_]+)\}\}")
+
+
+@dataclass(slots=True)
+class _Row:
+    """The winning line of one row, reduced to what the report needs (made by `report_details`)."""
+
+    key: str
+    code: int
+    index: int
+    entry: RowEntry  # where the line is (file, line number, offset)
+    error_class: str | None
+    error: str
+    row_id: str  # as committed, until `_report_rows` sets the current one
+    preview: str
+    ts: float | None
+    duration: float | None
+    toolsets: tuple[str, ...] | None  # offered to the model
+    sampled: tuple[str, ...] | None  # drawn from the distribution
+    tools: dict[str, tuple[int, int, int]] | None  # tool -> (count, success, failure), called tools only
+    tool_calls: int | None
+    turns: int | None
+    reasoning: tuple[int, int, int] | None  # total, with, without
+    completed: bool
+    partial: bool
+
+    @property
+    def file_no(self) -> int:
+        return self.entry.file_no
+
+    @property
+    def line_no(self) -> int:
+        return self.entry.line_no
+
+    @property
+    def sample_class(self) -> str:
+        return f"failed:{self.error_class}" if self.code == FAILED else OUTCOME_NAMES[self.code]
+
+
+def _one_line(text: Any, limit: int) -> str:
+    if not isinstance(text, str):
+        return ""
+    flat = " ".join(text[: limit * 4].split())
+    return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
+
+
+def _prompt_of(record: dict) -> str:
+    prompt = record.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    for turn in record.get("conversations") or ():
+        if isinstance(turn, dict) and turn.get("from") == "human":
+            return str(turn.get("value") or "")
+    return ""
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+_UNUSED = {"count": 0, "success": 0, "failure": 0}
+
+
+def _tool_counts(raw: Any) -> dict[str, tuple[int, int, int]]:
+    """tool -> (count, success, failure) of the tools a row called (most of its entries are zero)."""
+    if not isinstance(raw, dict):
+        return {}
+    counts = {}
+    for name, s in raw.items():
+        if s != _UNUSED and isinstance(s, dict):
+            c = (_int(s.get("count")), _int(s.get("success")), _int(s.get("failure")))
+            if c != (0, 0, 0):
+                counts[str(name)] = c
+    return counts
+
+
+def _strings(value: Any) -> tuple[str, ...] | None:
+    return tuple(value) if isinstance(value, list) else None
+
+
+def _make_row(fields: LineFields, entry: RowEntry) -> _Row:
+    """The report's view of a row's winning line (the run view calls this while it reads)."""
+    record = fields.raw
+    metadata = record["metadata"]
+    outcome = fields.outcome
+    tools = turns = reasoning = toolsets = None
+    if outcome == "failed":
+        code = FAILED
+    else:
+        code = DISCARDED if outcome == "discarded" else PARTIAL if record.get("partial") else OK
+        tools = _tool_counts(record.get("tool_stats"))
+        toolsets = _strings(record.get("toolsets_used")) or ()
+        rs = record.get("reasoning_stats")
+        rs = rs if isinstance(rs, dict) else {}
+        reasoning = (_int(rs.get("total_assistant_turns")), _int(rs.get("turns_with_reasoning")),
+                     _int(rs.get("turns_without_reasoning")))
+        turns = reasoning[0]
+        if not turns and isinstance(record.get("conversations"), list):
+            turns = sum(1 for t in record["conversations"] if isinstance(t, dict) and t.get("from") == "gpt")
+    return _Row(
+        key=fields.key, code=code, index=fields.prompt_index, entry=entry,
+        error_class=fields.error_class if code == FAILED else None,
+        error=_one_line(record.get("error"), ERROR_CHARS) if code == FAILED else "",
+        row_id=fields.row_id,
+        preview=_one_line(_prompt_of(record), PREVIEW_CHARS),
+        ts=parse_time(fields.timestamp),
+        duration=fields.duration,
+        toolsets=toolsets,
+        sampled=(_strings(metadata.get("toolsets_sampled")) or toolsets) if toolsets is not None else None,
+        tools=tools, tool_calls=None if tools is None else sum(c[0] for c in tools.values()),
+        turns=turns, reasoning=reasoning,
+        completed=bool(record.get("completed")),
+        partial=bool(record.get("partial")),
+    )
+
+
+def report_details() -> Detail:
+    """The hook a RunView calls for each line that becomes a row's winner: the report's row summary."""
+    return _make_row
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def run_config(run_dir: Path) -> tuple[dict, dict]:
+    """config.json of a run and its "config" part ({} for what cannot be read)."""
+    config_file = _read_json(run_dir / "config.json") or {}
+    config = config_file.get("config") if isinstance(config_file.get("config"), dict) else {}
+    return config_file, config
+
+
+def dataset_of(config: dict) -> tuple[dict[str, int] | None, dict[str, str]]:
+    """The rows of the dataset config.json names, as it is now (None, {} when it cannot be read)."""
+    from runner.input.dataset import DatasetError, scan_dataset
+
+    name = config.get("dataset_file")
+    if not isinstance(name, str) or not Path(name).is_file():
+        return None, {}
+    try:
+        scan = scan_dataset(name, config.get("max_samples"))
+    except (OSError, DatasetError):
+        return None, {}
+    return scan.key_to_index, scan.ids
+
+
+def statistics_of(run_dir: Path, view: RunView) -> dict:
+    """statistics.json for a view read outside a run (`--report`), with the settings config.json
+    (or else the last statistics.json) names; rows_this_run stays the last invocation's."""
+    from runner.output.finalize import build_statistics, run_time
+
+    config_file, config = run_config(run_dir)
+    statistics = _read_json(run_dir / "statistics.json") or {}
+    dataset = view.dataset
+    invocations = config_file.get("invocations") if isinstance(config_file.get("invocations"), list) else []
+    stats = build_statistics(
+        view, run_name=str(config.get("run_name") or statistics.get("run_name") or run_dir.name),
+        distribution=str(config.get("distribution") or statistics.get("distribution") or ""),
+        total_prompts=len(dataset) if dataset is not None else len(view.rows),
+        batch_size=_int(config.get("batch_size") or statistics.get("batch_size")),
+        model=str(config.get("model") or statistics.get("model") or ""),
+        run_time=run_time([i for i in invocations if isinstance(i, dict)], view),
+        rows_this_run=_int(statistics.get("rows_this_run")), fingerprint=str(config_file.get("fingerprint") or ""),
+    )
+    if dataset is None:
+        stats["total_prompts"] = None
+        stats["outcomes"]["not_run"] = None
+    return stats
+
+
+def read_view(run_dir: Path, dataset: dict[str, int] | None = None, ids: dict[str, str] | None = None,
+              log=lambda _: None) -> tuple[RunView, dict]:
+    """The run view and its statistics, as the runner's merge makes them, against `dataset` or
+    else the dataset config.json names (without either, every row in the files counts and
+    "not run" is unknown). Writes nothing: the CLI's `--report` rebuilds statistics.json and
+    trajectories.jsonl too (runner.output.finalize.rebuild_outputs)."""
+    if dataset is None:
+        dataset, ids = dataset_of(run_config(run_dir)[1])
+    files = batch_files(run_dir) if run_dir.is_dir() else []
+    view = read_run(files, RunView(dataset, ids=ids, detail=_make_row, log=log))
+    return view, statistics_of(run_dir, view)
+
+
+def _rate(success: int, failure: int) -> float:
+    answered = success + failure
+    return round(success / answered * 100, 2) if answered else 0.0
+
+
+def _timeline(rows: list[_Row], invocations: dict[str, list]) -> dict | None:
+    stamped = [r for r in rows if r.ts is not None]
+    if not stamped:
+        return None
+    starts = [span[0] for span in invocations.values()] or [min(r.ts for r in stamped)]
+    times = [r.ts for r in stamped]
+    start, end = min(min(starts), min(times)), max(times)
+    bucket = _nice_bucket((end - start) / TIMELINE_BUCKETS)
+    count = min(int((end - start) // bucket) + 1, TIMELINE_BUCKETS + 1)
+    series = [[0] * count for _ in OUTCOME_NAMES]
+    for r in stamped:
+        series[r.code][min(count - 1, int((r.ts - start) // bucket))] += 1
+    return {
+        "start": datetime.fromtimestamp(start).isoformat(timespec="milliseconds"),
+        "start_epoch": start,
+        "bucket_seconds": bucket,
+        "series": dict(zip(OUTCOME_NAMES, series)),
+        "invocation_starts": sorted(round(s - start, 3) for s in starts),
+    }
+
+
+_BUCKET_LADDER = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600,
+                  900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+
+
+def _nice_bucket(raw: float) -> float:
+    """The smallest round time step (1 s, 15 s, 5 min, 1 h, a day, ...) not below `raw` seconds."""
+    for step in _BUCKET_LADDER:
+        if step >= raw:
+            return float(step)
+    return float(math.ceil(raw / 86400) * 86400)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _target_distribution(name: str | None) -> dict[str, float] | None:
+    try:
+        from toolset_distributions import DISTRIBUTIONS
+    except ImportError:  # the report must still render if the catalogue cannot be imported
+        return None
+    entry = DISTRIBUTIONS.get(name or "")
+    return dict(entry["toolsets"]) if entry else None
+
+
+def _report_rows(view: RunView) -> list[_Row]:
+    """The winning line of every dataset row, in dataset order, with its current position and id
+    (the run view's, as in trajectories.jsonl)."""
+    rows = []
+    for key, entry in view.rows.items():
+        row = entry.detail
+        if row is None:
+            continue  # no winner (every line filtered), or read without the report's hook
+        row.index, row.row_id = view.current(key)
+        rows.append(row)
+    rows.sort(key=lambda r: (r.index, r.key))
+    return rows
+
+
+def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> dict:
+    """What the page shows: the counts of `stats` (statistics.json) and the charts over `rows`."""
+    config_file, config = run_config(run_dir)
+    stats_path = run_dir / "statistics.json"
+    saved = _read_json(stats_path)
+
+    # Rows that called each tool (the chart's tooltip); the counts themselves are statistics.json's.
+    rows_using: Counter[str] = Counter()
+    for r in rows:
+        if r.code in (OK, PARTIAL):
+            for name, (count, _, _) in r.tools.items():
+                if count:
+                    rows_using[name] += 1
+    tool_statistics = {
+        name: {"count": t["count"], "success": t["success"], "failure": t["failure"],
+               "success_rate": t["success_rate"], "rows": rows_using[name]}
+        for name, t in sorted(stats["tool_statistics"].items(), key=lambda kv: (-kv[1]["count"], kv[0]))
+    }
+
+    # Toolsets: share of the rows that record them (ok and discarded), offered and sampled.
+    with_toolsets = [r for r in rows if r.toolsets is not None]
+    offered = Counter(t for r in with_toolsets for t in set(r.toolsets))
+    sampled = Counter(t for r in with_toolsets for t in set(r.sampled or ()))
+    distribution = stats.get("distribution") or config.get("distribution")
+    target = _target_distribution(distribution)
+    names = list(target or {}) + sorted((set(offered) | set(sampled)) - set(target or {}))
+    share = (lambda n: round(n / len(with_toolsets) * 100, 2) if with_toolsets else 0.0)
+    toolsets = {
+        name: {
+            "rows": offered[name],
+            "share": share(offered[name]),
+            "sampled_rows": sampled[name],
+            "sampled_share": share(sampled[name]),
+            "target": (target or {}).get(name, 0 if target is not None else None),
+        }
+        for name in names
+    }
+
+    newest_batch = max((p.stat().st_mtime for p in view.files), default=0.0)
+    stats_outdated = saved is None or stats_path.stat().st_mtime + 1e-6 < newest_batch
+    invocations = sorted(
+        ({"run_id": rid, "start": datetime.fromtimestamp(s).isoformat(timespec="seconds"),
+          "seconds": round(e - s, 3), "lines": n} for rid, (s, e, n) in view.spans.items()),
+        key=lambda item: item["start"],
+    )
+    run_time = stats["run_time"]
+    active = run_time["running_seconds"]
+    durations = [r.duration for r in rows if r.duration is not None]
+    stamps = [r.ts for r in rows if r.ts is not None]
+    return {
+        "run_name": stats["run_name"],
+        "run_dir": str(run_dir),
+        "generated_at": datetime.now().isoformat(timespec="seconds"),
+        "model": stats.get("model") or config.get("model"),
+        "distribution": distribution,
+        "fingerprint": config_file.get("fingerprint") or stats.get("fingerprint"),
+        "fingerprint_fields": config_file.get("fingerprint_fields") or {},
+        "config": config,
+        "created_at": config_file.get("created_at"),
+        "updated_at": config_file.get("updated_at"),
+        "rows": len(rows),
+        "total_prompts": stats["total_prompts"],
+        # Counts: statistics.json's, never the page's own.
+        "outcomes": stats["outcomes"],
+        "failed_by_class": stats["failed_by_class"],
+        "retried_rows": stats["retried_rows"],
+        "tool_statistics": tool_statistics,
+        "toolsets": toolsets,
+        "toolset_rows": len(with_toolsets),
+        "reasoning_statistics": stats["reasoning_statistics"],
+        "discarded_no_reasoning": stats["discarded_no_reasoning"],
+        "tokens": stats["tokens"],
+        "cost": stats["cost"],
+        "cache_hit_ratio": stats["cache_hit_ratio"],
+        "spend": stats["spend"],
+        # The spend panel: over time, by model, retried attempts, each invocation's closing forecast.
+        "spend_view": {
+            "curve": view.cost.curve() if view.cost is not None else None,
+            "by_model": stats.get("spend_by_model") or {},
+            "retried": stats.get("spend_retried"),
+            "invocations": read_invocations(run_dir) if run_dir.is_dir() else [],
+        },
+        "retries": stats["retries"],
+        "requests": stats["requests"],
+        "api_calls": stats["api_calls"],
+        "histograms": {
+            "turns": _histogram(r.turns for r in rows if r.turns is not None),
+            "tool_calls": _histogram(r.tool_calls for r in rows if r.tool_calls is not None),
+        },
+        "timeline": _timeline(rows, view.spans),
+        "duration": {
+            "first_row_at": datetime.fromtimestamp(min(stamps)).isoformat(timespec="seconds") if stamps else None,
+            "last_row_at": datetime.fromtimestamp(max(stamps)).isoformat(timespec="seconds") if stamps else None,
+            "span_seconds": round(max(stamps) - min(stamps), 3) if stamps else None,
+            "active_seconds": active,
+            "first_started_at": run_time["first_started_at"],
+            "last_ended_at": run_time["last_ended_at"],
+            "invocation_count": run_time["invocations"],
+            "invocations": invocations,
+            "rows_per_minute": round(len(rows) / active * 60, 2) if active > 0 else None,
+            "row_seconds_p50": _percentile(durations, 0.5),
+            "row_seconds_p90": _percentile(durations, 0.9),
+            "row_seconds_max": max(durations) if durations else None,
+        },
+        "files": {
+            "batch_files": len(view.files),
+            "lines": view.lines,
+            "unreadable_lines": view.unreadable,
+            "torn_files": sorted(p.name for p in run_dir.glob("batch_*.jsonl.torn")) if run_dir.is_dir() else [],
+            "stale_rows": stats["stale_rows"],
+        },
+        "statistics": stats,
+        "saved_statistics": saved,
+        "statistics_outdated": stats_outdated,
+    }
+
+
+def _histogram(values) -> dict[str, int]:
+    counts = Counter(values)
+    return {str(k): counts[k] for k in sorted(counts)}
+
+
+@contextmanager
+def _no_gc_pauses():
+    """Build the report without cyclic-GC passes: 100,000 live row summaries make every full
+    collection walk them all, which cost a third of the time; nothing here creates cycles."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def summarise_run(run_dir: Path, view: RunView | None = None, statistics: dict | None = None, *,
+                  dataset: dict[str, int] | None = None, ids: dict[str, str] | None = None) -> dict:
+    """Every figure the report shows (JSON-serialisable): from the runner's view and statistics,
+    or, without them, from the run directory's files (see `read_view`)."""
+    run_dir = Path(run_dir)
+    with _no_gc_pauses():
+        if view is None or statistics is None:
+            view, statistics = read_view(run_dir, dataset, ids)
+        return _summarise(run_dir, view, statistics, _report_rows(view))
+
+
+# --- the sample of full conversations --------------------------------------------------------
+
+
+def _stable_hash(key: str) -> bytes:
+    return hashlib.blake2b(key.encode(), digest_size=8).digest()
+
+
+def choose_sample(rows: list[_Row], limit: int) -> list[int]:
+    """Positions in `rows` of at most `limit` rows, shared fairly between outcome classes.
+
+    Every class (ok, partial, discarded, each failure class) gets an equal share; a class with
+    fewer rows gives its unused share to the others. Within a class the rows are ordered by a
+    hash of their key, so the choice is deterministic and spread over the whole run.
+    """
+    classes: dict[str, list[int]] = {}
+    for pos, row in enumerate(rows):
+        classes.setdefault(row.sample_class, []).append(pos)
+    quota = dict.fromkeys(classes, 0)
+    left = max(0, limit)
+    open_classes = sorted(classes, key=lambda c: len(classes[c]))
+    while left and open_classes:
+        share = max(1, left // len(open_classes))
+        for name in list(open_classes):
+            take = min(share, len(classes[name]) - quota[name], left)
+            quota[name] += take
+            left -= take
+            if quota[name] == len(classes[name]):
+                open_classes.remove(name)
+            if not left:
+                break
+    chosen: list[int] = []
+    for name, members in classes.items():
+        members.sort(key=lambda pos: _stable_hash(rows[pos].key))
+        chosen.extend(members[: quota[name]])
+    return sorted(chosen)
+
+
+class _Clipper:
+    """Shortens long values (head and tail kept) within per-conversation and per-report budgets."""
+
+    def __init__(self):
+        self.report_chars = 0
+
+    def conversation(self) -> Callable[[str], str]:
+        used = 0
+
+        def clip(text: Any) -> str:
+            nonlocal used
+            text = text if isinstance(text, str) else orjson.dumps(text).decode()
+            tight = used > CONVERSATION_CHARS or self.report_chars > REPORT_CONVERSATION_CHARS
+            limit = VALUE_CHARS_TIGHT if tight else VALUE_CHARS
+            if len(text) > limit:
+                head = limit * 3 // 4
+                text = (f"{text[:head]}\n\n… [{len(text) - limit:,} characters left out of this report; "
+                        f"the batch file has them all] …\n\n{text[-(limit - head):]}")
+            used += len(text)
+            self.report_chars += len(text)
+            return text
+
+        return clip
+
+
+def _full_entry(record: dict, row: _Row, files: list[Path], clipper: _Clipper, systems: dict[str, int]) -> dict:
+    clip = clipper.conversation()
+    metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    turns = []
+    for turn in record.get("conversations") or ():
+        if not isinstance(turn, dict):
+            continue
+        role, value = str(turn.get("from") or "?"), turn.get("value")
+        if role == "system" and isinstance(value, str) and len(value) > 400:
+            # The system turn (the tool schemas) repeats in every row: stored once per report.
+            turns.append([role, None, systems.setdefault(value, len(systems))])
+        else:
+            turns.append([role, clip(value if value is not None else "")])
+    meta = {k: metadata.get(k) for k in ("row_key", "timestamp", "attempt", "duration_seconds", "model",
+                                          "stop_reason", "seed", "run_id") if metadata.get(k) is not None}
+    meta["id"] = row.row_id  # the current dataset's (the run view's), not the committed one
+    meta["file"] = f"{files[row.file_no].name}:{row.line_no}"
+    if isinstance(metadata.get("usage"), dict):
+        meta["usage"] = metadata["usage"]
+    for name in ("tools_offered", "toolsets_sampled"):
+        if isinstance(metadata.get(name), list) and metadata[name]:
+            meta[name] = metadata[name]
+    for name, as_text in (("loop_notes", note_lines), ("dropped_replies", dropped_lines)):
+        value = metadata.get(name)
+        if isinstance(value, list):  # schema 2 lines kept them as lists of objects
+            value = as_text([item for item in value if isinstance(item, dict)])
+        if isinstance(value, str) and value:
+            meta[name] = value.splitlines()
+    entry: dict[str, Any] = {"meta": meta, "turns": turns}
+    if row.code == FAILED:
+        entry["error"] = clip(record.get("error") or "")
+        entry["prompt"] = clip(record.get("prompt") or "")
+    elif row.code == DISCARDED:
+        entry["prompt"] = clip(record.get("prompt") or "")
+        entry["discarded"] = str(record.get("discarded"))
+    for k in ("completed", "partial", "api_calls", "reasoning_stats"):
+        if k in record:
+            entry[k] = record[k]
+    if isinstance(record.get("tool_error_counts"), dict):
+        entry["tool_errors"] = {k: v for k, v in record["tool_error_counts"].items() if v}
+    if row.tools:
+        entry["tool_stats"] = {k: list(v) for k, v in row.tools.items()}
+    return entry
+
+
+def _load_full(files: list[Path], rows: list[_Row], chosen: list[int]) -> tuple[dict[str, dict], list[str]]:
+    clipper = _Clipper()
+    systems: dict[str, int] = {}
+    full: dict[str, dict] = {}
+    handles: dict[int, Any] = {}
+    try:
+        for pos in sorted(chosen, key=lambda p: (rows[p].file_no, rows[p].entry.offset)):
+            row = rows[pos]
+            handle = handles.get(row.file_no) or handles.setdefault(row.file_no, open(files[row.file_no], "rb"))
+            handle.seek(row.entry.offset)
+            try:
+                record = orjson.loads(handle.read(row.entry.length))
+            except orjson.JSONDecodeError:
+                continue
+            full[str(pos)] = _full_entry(record, row, files, clipper, systems)
+    finally:
+        for handle in handles.values():
+            handle.close()
+    return full, list(systems)
+
+
+# --- the page --------------------------------------------------------------------------------
+
+
+def _compact_rows(rows: list[_Row], summary: dict, files: list[Path]) -> dict:
+    """One small array per row; names of toolsets, tools and classes are table indexes."""
+    toolset_names = list(summary["toolsets"])
+    toolset_bit = {name: 1 << i for i, name in enumerate(toolset_names[:30])}  # a 32-bit mask in JavaScript
+    tool_names = sorted({t for r in rows if r.tools for t in r.tools if r.tools[t][0]})
+    tool_id = {name: i for i, name in enumerate(tool_names)}
+    classes = sorted({r.error_class for r in rows if r.error_class})
+    class_id = {name: i for i, name in enumerate(classes)}
+    start = (summary["timeline"] or {}).get("start_epoch")
+    packed = []
+    for r in rows:
+        mask = 0
+        for t in r.toolsets or ():
+            mask |= toolset_bit.get(t, 0)
+        packed.append([
+            r.index, r.code, class_id[r.error_class] if r.error_class else -1, mask if r.toolsets is not None else -1,
+            [tool_id[t] for t, (count, _, _) in (r.tools or {}).items() if count],
+            r.turns, r.tool_calls, r.preview,
+            None if r.ts is None or start is None else round(r.ts - start, 1),
+            r.file_no, r.line_no, r.entry.attempts, r.error, _one_line(r.row_id, ID_CHARS),
+        ])
+    return {
+        "fields": ["index", "outcome", "error_class", "toolsets", "tools", "turns", "tool_calls", "preview",
+                   "t", "file", "line", "attempts", "error", "id"],
+        "outcomes": list(OUTCOME_NAMES),
+        "toolsets": toolset_names,
+        "tools": tool_names,
+        "classes": classes,
+        "files": [p.name for p in files],
+        "rows": packed,
+    }
+
+
+def _json_for_script(value: Any) -> bytes:
+    """JSON that can sit inside <script type="application/json">: no '<' can close the element."""
+    return orjson.dumps(value).replace(b"<", b"\\u003c")
+
+
+def write_report(run_dir: Path, *, max_full_conversations: int = 500, log=print, view: RunView | None = None,
+                 statistics: dict | None = None, dataset: dict[str, int] | None = None,
+                 ids: dict[str, str] | None = None) -> Path:
+    """Write <run_dir>/report.html (temp file + rename) and return its path: from the runner's
+    view (read with `report_details`) and statistics, or else from the run's files."""
+    run_dir = Path(run_dir)
+    with _no_gc_pauses():
+        if view is None or statistics is None:
+            view, statistics = read_view(run_dir, dataset, ids)
+        rows = _report_rows(view)
+        summary = _summarise(run_dir, view, statistics, rows)
+        compact = _compact_rows(rows, summary, view.files)
+        chosen = choose_sample(rows, max_full_conversations)
+        full, systems = _load_full(view.files, rows, chosen)
+    summary["sample"] = {"embedded": len(full), "limit": max_full_conversations, "rows": len(rows)}
+    summary.pop("run_dir", None)  # a local path says nothing to whoever receives the file
+    blocks = {
+        "SUMMARY_JSON": _json_for_script(summary),
+        "ROWS_JSON": _json_for_script(compact),
+        "FULL_JSON": _json_for_script({"systems": systems, "rows": full}),
+    }
+    template = TEMPLATE.read_bytes()
+    target = run_dir / REPORT_NAME
+    fd, tmp = tempfile.mkstemp(prefix=".report_", suffix=".tmp", dir=run_dir)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            position = 0
+            for match in _MARKER.finditer(template):
+                out.write(template[position:match.start()])
+                out.write(blocks[match.group(1).decode()])
+                position = match.end()
+            out.write(template[position:])
+            out.flush()
+            os.fsync(out.fileno())
+        keep_mode(tmp, target)  # private like every file of the run (it embeds the conversations)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    log(f"   report.html: {len(rows):,} rows, {len(full):,} full conversations, {target.stat().st_size / 1e6:.1f} MB")
+    return target

@@ -1,0 +1,364 @@
+"""Watching a run: live spend, the forecast, the console's spend line and `<run>/status.json`.
+
+Everything here is fed by the parent's commit loop (never by reading files back), so it costs a few
+additions per committed row. Spend is what committed attempts cost, kept or not. When an attempt's
+cost is unknown (no reported cost, no price), the total is unknown ("at least" the known part),
+never $0 and never a guess; only under a budget (--max_cost) is such an attempt counted at the
+mean attempt cost, for the budget's decision, and every figure made so is labelled an estimate.
+
+status.json is rewritten atomically every few seconds while the run lives and once more at its end
+(README "status.json" has the format); after each invocation its last state is also appended to
+`status_history.jsonl`, which the report shows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import orjson
+
+from runner.storage.records import known_cost
+
+STATUS_VERSION = 1
+Z95 = 1.96  # two-sided 95 % normal quantile
+
+
+@dataclass
+class LiveSpend:
+    """Committed spend in attempts; `*_before` come from earlier invocations of the run."""
+
+    scope: str = "run"  # run | invocation: what `budget_cost` covers
+    # Under a budget, attempts without a cost count at the mean attempt cost in every total (and
+    # the figures say they are an estimate); without one, a total with such attempts is unknown.
+    estimate_unknown: bool = False
+    known_cost_before: float = 0.0
+    known_attempts_before: int = 0  # attempts that reached the model and have a known cost
+    unknown_attempts_before: int = 0  # attempts that reached the model with no known cost
+    known_cost: float = 0.0  # this invocation
+    known_attempts: int = 0
+    unknown_attempts: int = 0
+    cost_squares: float = 0.0  # sum of squared known attempt costs (this invocation), for the spread
+    duration: float = 0.0  # summed duration of this invocation's attempts that reached the model
+    timed_attempts: int = 0
+
+    def add(self, usage: dict, duration: float) -> None:
+        if not int(usage.get("requests") or 0):
+            return  # nothing was asked of a model (e.g. its image was missing): nothing spent
+        self.duration += duration
+        self.timed_attempts += 1
+        cost = known_cost(usage)
+        if cost is None:
+            self.unknown_attempts += 1
+        else:
+            self.known_cost += cost
+            self.known_attempts += 1
+            self.cost_squares += cost * cost
+
+    def mean_attempt_cost(self) -> float | None:
+        attempts = self.known_attempts + self.known_attempts_before
+        return (self.known_cost + self.known_cost_before) / attempts if attempts else None
+
+    def mean_attempt_duration(self) -> float | None:
+        return self.duration / self.timed_attempts if self.timed_attempts else None
+
+    @property
+    def estimated_attempts(self) -> int:
+        """Attempts of the whole run without a known cost (under a budget: counted at the mean)."""
+        return self.unknown_attempts + self.unknown_attempts_before
+
+    def _total(self, before: bool, estimate: bool) -> float | None:
+        known = self.known_cost + (self.known_cost_before if before else 0.0)
+        unknown = self.unknown_attempts + (self.unknown_attempts_before if before else 0)
+        if not unknown:
+            return known
+        mean = self.mean_attempt_cost() if estimate else None
+        return None if mean is None else known + unknown * mean
+
+    def total(self) -> float | None:
+        """Spend of the whole run (every invocation); None when it is unknown (an attempt without a
+        cost, and no budget, or nothing to estimate it by)."""
+        return self._total(before=True, estimate=self.estimate_unknown)
+
+    def known_total(self) -> float:
+        """The known part of the run's spend: a lower bound when some attempts have no cost."""
+        return self.known_cost + self.known_cost_before
+
+    @property
+    def is_estimate(self) -> bool:
+        """Do the totals count attempts without a cost at the mean?"""
+        return self.estimate_unknown and self.estimated_attempts > 0
+
+    def this_invocation(self) -> float | None:
+        return self._total(before=False, estimate=self.estimate_unknown)
+
+    def budget_cost(self) -> float | None:
+        """What the budget compares with its limit (attempts without a cost at the mean: the budget
+        must decide); None when they cannot even be estimated (no attempt has a known cost)."""
+        return self._total(before=self.scope == "run", estimate=True)
+
+    def attempt_spread(self) -> float | None:
+        """Standard deviation of this invocation's known attempt costs (None below 2 attempts)."""
+        n = self.known_attempts
+        if n < 2:
+            return None
+        mean = self.known_cost / n
+        return math.sqrt(max(0.0, (self.cost_squares - n * mean * mean) / (n - 1)))
+
+
+@dataclass(frozen=True)
+class Forecast:
+    per_kept_row: float | None  # spend so far / rows kept
+    remaining: float  # expected spend of the rows not yet finished
+    total: float  # spend so far + remaining
+    low: float | None  # approximate 95 % range of the total (None until two attempts are priced)
+    high: float | None
+
+
+def forecast(spent: float | None, finished_rows: int, kept_rows: int, remaining_rows: int,
+             attempts: int, attempt_sd: float | None) -> Forecast | None:
+    """Project the run's total from what finished rows cost so far.
+
+    A finished (kept or discarded) row costs spent / finished_rows on average: failed attempts and
+    discarded rows are paid for too, so they are spread over the rows that finished. The range is a
+    normal approximation: the spread of a sum of `remaining_rows` row costs plus the uncertainty of
+    the mean itself, from the per-attempt standard deviation scaled to attempts per finished row.
+    """
+    if spent is None or finished_rows <= 0:
+        return None
+    per_row = spent / finished_rows
+    remaining = remaining_rows * per_row
+    low = high = None
+    if attempt_sd is not None:
+        row_sd = attempt_sd * math.sqrt(max(1.0, attempts / finished_rows))
+        half = Z95 * row_sd * (math.sqrt(remaining_rows) + remaining_rows / math.sqrt(finished_rows))
+        low, high = spent + max(0.0, remaining - half), spent + remaining + half
+    return Forecast(spent / kept_rows if kept_rows else None, remaining, spent + remaining, low, high)
+
+
+def money(value: float | None) -> str:
+    if value is None:
+        return "unknown"
+    if value == 0:
+        return "$0"
+    return f"${value:.4f}" if abs(value) < 10 else f"${value:,.2f}"
+
+
+def duration_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
+
+
+def _round(value: float | None, digits: int = 6) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+class RunMonitor:
+    """One invocation's live figures: fed on every start and commit, ticked by the dispatch loop."""
+
+    STATUS_EVERY = 5.0  # seconds between status.json rewrites
+    LINE_EVERY = 60.0  # seconds between console spend lines
+
+    def __init__(self, run_dir: Path, run_name: str, *, total_rows: int, finished_before: int, kept_before: int,
+                 to_run: int, spend: LiveSpend, budget=None, budget_limit: float | None = None, log=print,
+                 clock=time.monotonic):
+        self.run_dir = run_dir
+        self.run_name = run_name
+        self.total_rows = total_rows
+        self.finished_before = finished_before
+        self.kept_before = kept_before
+        self.to_run = to_run  # rows this invocation set out to run
+        self.spend = spend
+        self.budget = budget  # runner.execution.budget.Budget or None
+        self.budget_limit = budget_limit
+        self.log = log
+        self.clock = clock
+        self.started_at = datetime.now(timezone.utc)
+        self.t0 = clock()
+        self.counts = {"ok": 0, "discarded": 0, "failed": 0}
+        self.in_flight = 0
+        self._next_status = 0.0
+        self._next_line: float | None = None  # set by the first commit
+
+    # --- feeding ----------------------------------------------------------------------------
+
+    def on_start(self, task) -> None:  # a runner.execution.task.Task
+        self.in_flight += 1
+        if self.budget is not None:
+            self.budget.on_start(task.key)
+
+    def on_commit(self, records: list[dict]) -> None:
+        from runner.storage.store import record_outcome
+
+        for record in records:
+            metadata = record.get("metadata") or {}
+            usage = metadata.get("usage") or {}
+            self.spend.add(usage, float(metadata.get("duration_seconds") or 0.0))
+            self.counts[record_outcome(record)] += 1
+            if self.budget is not None and metadata.get("row_key") in self.budget.started:
+                self.budget.on_commit(metadata["row_key"])
+        if self._next_line is None and records:
+            self._next_line = self.clock()  # the first commit prints a line at the next tick
+
+    def on_abandoned(self) -> None:
+        """The rows in flight were given up (grace period over, or --max_cost_hard)."""
+        self.in_flight = 0
+        if self.budget is not None:
+            self.budget.started.clear()
+
+    # --- the budget -------------------------------------------------------------------------
+
+    @property
+    def budget_reached(self) -> bool:
+        return self.budget is not None and self.budget.reached
+
+    def may_start(self) -> bool:
+        if self.budget is None:
+            return True
+        if self.budget.reached:
+            return False
+        if self.budget.may_start():
+            return True
+        if self.budget.unmeasurable:
+            self.log("💸 The endpoint reported no cost for the committed attempts, so --max_cost cannot be "
+                     "enforced: no new rows start (give --price_input_per_mtok and --price_output_per_mtok)")
+        else:
+            self.log(f"💸 Budget reached: ${self.spend.budget_cost():.4f} committed + "
+                     f"${self.budget.expected_in_flight():.4f} expected of {len(self.budget.started)} row(s) in "
+                     f"flight >= --max_cost=${self.budget.limit:g}; no new rows start"
+                     + ("" if self.budget.hard else ", the rows in flight finish"))
+        return False
+
+    def cancel_now(self) -> bool:
+        return self.budget is not None and self.budget.cancel_now()
+
+    # --- reporting --------------------------------------------------------------------------
+
+    def tick(self, in_flight: int) -> None:
+        """Called every loop turn: cheap unless a status write or a console line is due."""
+        self.in_flight = in_flight
+        now = self.clock()
+        if now >= self._next_status:
+            self._next_status = now + self.STATUS_EVERY
+            self.write_status("running")
+        if self._next_line is not None and now >= self._next_line:
+            self._next_line = now + self.LINE_EVERY
+            self.log(self.spend_line())
+
+    def snapshot(self, state: str) -> dict:
+        """The status.json document."""
+        now = self.clock()
+        elapsed = now - self.t0
+        finished_now = self.counts["ok"] + self.counts["discarded"]
+        committed_now = finished_now + self.counts["failed"]
+        finished = self.finished_before + finished_now
+        kept = self.kept_before + self.counts["ok"]
+        remaining = max(0, self.total_rows - finished)
+        rate = committed_now / elapsed if elapsed > 0 and committed_now else None
+        left_this_run = max(0, self.to_run - committed_now)
+        spend = self.spend
+        total = spend.total()
+        outlook = forecast(total, finished, kept, remaining, spend.known_attempts, spend.attempt_spread())
+        return {
+            "version": STATUS_VERSION,
+            "run_name": self.run_name,
+            "state": state,
+            "pid": os.getpid(),
+            "started_at": self.started_at.isoformat(timespec="seconds"),
+            "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "elapsed_seconds": round(elapsed, 1),
+            "rows": {
+                "total": self.total_rows,
+                "done": finished,
+                "kept": kept,
+                "discarded": self.counts["discarded"],  # this invocation
+                "failed": self.counts["failed"],  # failed attempts of this invocation (retried on resume)
+                "in_flight": self.in_flight,
+                "remaining": remaining,
+            },
+            "rate_rows_per_second": _round(rate, 4),
+            "eta_seconds": round(left_this_run / rate, 1) if rate and state == "running" else None,
+            "spend": {
+                "total_usd": _round(total),  # null: unknown (an attempt without a cost, no budget)
+                "known_usd": _round(spend.known_total()),  # the known part: at least this much
+                "estimated": spend.is_estimate,  # totals count attempts without a cost at the mean
+                "this_invocation_usd": _round(spend.this_invocation()),
+                "per_kept_row_usd": _round(outlook.per_kept_row) if outlook else None,
+                "attempts_priced": spend.known_attempts + spend.known_attempts_before,
+                "attempts_unpriced": spend.estimated_attempts,
+            },
+            "budget": None if self.budget_limit is None else {
+                "max_cost_usd": self.budget_limit,
+                "scope": spend.scope,
+                "counted_usd": _round(spend.budget_cost()),  # None: spend cannot be measured
+                "reached": bool(self.budget is not None and self.budget.reached),
+                # --max_cost_hard: rows cancelled in flight (not committed) and their estimated spend
+                "cancelled_rows": self.budget.cancelled if self.budget is not None else 0,
+                "cancelled_estimated_usd": _round(self.budget.cancelled_estimate) if self.budget is not None else 0.0,
+            },
+            "forecast": None if outlook is None else {
+                "remaining_usd": _round(outlook.remaining),
+                "total_usd": _round(outlook.total),
+                "total_low_usd": _round(outlook.low),
+                "total_high_usd": _round(outlook.high),
+            },
+        }
+
+    def spend_line(self, snapshot: dict | None = None) -> str:
+        s = snapshot or self.snapshot("running")
+        spend, rows, outlook = s["spend"], s["rows"], s["forecast"]
+        if spend["total_usd"] is None and not spend["attempts_priced"]:
+            return "💰 Spend: unknown (the endpoint reports no cost and no --price_* flags were given)"
+        if spend["total_usd"] is None:
+            text = (f"💰 Spent at least {money(spend['known_usd'])} (total unknown: "
+                    f"{spend['attempts_unpriced']} attempt(s) without a cost)")
+        elif spend["estimated"]:
+            text = f"💰 Spent about {money(spend['total_usd'])} (estimate)"
+        else:
+            text = f"💰 Spent {money(spend['total_usd'])}"
+        if spend["per_kept_row_usd"] is not None:
+            text += f" ({money(spend['per_kept_row_usd'])} per kept row)"
+        if outlook is not None and rows["remaining"]:
+            text += f"; {rows['remaining']:,} row(s) left: about {money(outlook['remaining_usd'])} more, {money(outlook['total_usd'])} in all"
+            if outlook["total_low_usd"] is not None:
+                text += f" ({money(outlook['total_low_usd'])} to {money(outlook['total_high_usd'])})"
+        if s["rate_rows_per_second"]:
+            text += f"; {s['rate_rows_per_second']:.2f} rows/s"
+        if s["eta_seconds"] is not None:
+            text += f", ETA {duration_text(s['eta_seconds'])}"
+        if spend["estimated"]:
+            text += (f" [estimate: {spend['attempts_unpriced']} attempt(s) without a cost counted at the mean "
+                     "attempt cost, for --max_cost]")
+        return text
+
+    def write_status(self, state: str) -> dict:
+        from runner.storage.store import atomic_write_bytes
+
+        snapshot = self.snapshot(state)
+        try:
+            atomic_write_bytes(self.run_dir / "status.json", orjson.dumps(snapshot, option=orjson.OPT_INDENT_2) + b"\n")
+        except OSError as err:  # a view for watchers: never let it stop the run
+            self.log(f"⚠️  Could not write status.json: {err}")
+        return snapshot
+
+    def close(self, state: str) -> dict:
+        """The invocation's last status: status.json, one line of status_history.jsonl."""
+        from runner.storage.store import private_opener
+
+        snapshot = self.write_status(state)
+        try:
+            with open(self.run_dir / "status_history.jsonl", "ab", opener=private_opener) as handle:
+                handle.write(orjson.dumps(snapshot) + b"\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as err:
+            self.log(f"⚠️  Could not append to status_history.jsonl: {err}")
+        return snapshot

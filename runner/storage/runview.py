@@ -1,0 +1,381 @@
+"""The run view: what the batch files of a run say, read in one pass by one rule.
+
+Every reader of a run directory goes through this module: resume (`RunStore.load`, which starts
+from the counts cached in checkpoint.json and reads only the lines after them), the merge into
+trajectories.jsonl, statistics.json and report.html. They cannot disagree, because they share:
+
+- **the rule** (`RowEntry.beaten_by`): for each row key the best outcome wins (ok > discarded >
+  failed), and among lines of the same outcome the first committed one (the store never commits a
+  second ok or discarded line of a row, so later copies are duplicates of a result that arrived
+  twice). An ok line that names a tool we do not know is not a candidate (it is "filtered"): the
+  row counts as not done, and a resume runs it again;
+- **the dataset**: with a dataset given, only its rows count; lines of rows that are no longer in
+  it are "stale" (kept in the batch files, left out of every count but the spend);
+- **the spend**: requests, tokens, cost, retries and session time are summed over every committed
+  line, kept or not, and split by what became of the line (`SPEND_BUCKETS`).
+
+Lines are parsed with orjson and read through `runner.storage.records.read_line`, not validated again:
+the models validated them when they were written.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from runner.storage.records import OUTCOME_RANK, LineFields, known_cost, read_line
+from runner.output.spend_view import SpendTally
+from tools.registry import all_tool_names
+NO_WINNER = -1  # rank of a row whose lines were all filtered
+OK_RANK, DISCARDED_RANK = OUTCOME_RANK["ok"], OUTCOME_RANK["discarded"]
+TOKEN_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "total_tokens")
+COUNT_KEYS = ("requests", "retries", *TOKEN_KEYS)
+# Where each committed line's spend goes: kept (the lines of trajectories.jsonl), discarded
+# (tombstones), failed (failed attempts, retried or not) and other (ok lines that are not kept:
+# filtered, duplicates, rows no longer in the dataset). Their sum is the spend of every line.
+SPEND_BUCKETS = ("kept", "discarded", "failed", "other")
+_UNUSED = {"count": 0, "success": 0, "failure": 0}
+
+
+@dataclass
+class Spend:
+    """Sums of what a set of committed lines spent."""
+
+    attempts: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
+    cost: float = 0.0
+    unpriced: int = 0  # attempts that made requests but whose cost is unknown (not reported, no price)
+    priced: int = 0  # attempts that made requests and have a known cost
+    duration_seconds: float = 0.0
+
+    def add(self, usage: Mapping[str, Any], duration: float | None) -> None:
+        self.attempts += 1
+        counts = self.counts
+        try:  # lines were validated when written: the fast path is the common one
+            for k in COUNT_KEYS:
+                counts[k] += usage.get(k) or 0
+        except TypeError:  # a hand-edited or foreign line: count what is a number
+            for k in COUNT_KEYS:
+                v = usage.get(k)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    counts[k] += int(v)
+        cost = known_cost(usage)
+        if cost is None:
+            if usage.get("requests"):
+                self.unpriced += 1
+        else:
+            self.cost += cost
+            if usage.get("requests"):
+                self.priced += 1
+        if duration:
+            self.duration_seconds += duration
+
+    def merge(self, other: Spend) -> None:
+        self.attempts += other.attempts
+        for k in COUNT_KEYS:
+            self.counts[k] += other.counts[k]
+        self.cost += other.cost
+        self.unpriced += other.unpriced
+        self.priced += other.priced
+        self.duration_seconds += other.duration_seconds
+
+    def as_dict(self) -> dict:
+        """The JSON form: cost is null (unknown) when any attempt had no reported cost, never 0."""
+        prompt = self.counts["prompt_tokens"]
+        return {
+            "attempts": self.attempts,
+            **self.counts,
+            "cost": None if self.unpriced else round(self.cost, 6),
+            "unpriced_attempts": self.unpriced,
+            "priced_attempts": self.priced,
+            "cache_hit_ratio": round(self.counts["cached_tokens"] / prompt, 4) if prompt else None,
+            "duration_seconds": round(self.duration_seconds, 3),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Spend:
+        spend = cls(attempts=int(data.get("attempts") or 0),
+                    counts={k: int(data.get(k) or 0) for k in COUNT_KEYS},
+                    cost=float(data.get("cost_sum", data.get("cost")) or 0.0),
+                    unpriced=int(data.get("unpriced_attempts") or 0),
+                    priced=int(data.get("priced_attempts") or 0),
+                    duration_seconds=float(data.get("duration_seconds") or 0.0))
+        return spend
+
+    def cache_form(self) -> dict:
+        """The exact sums, for checkpoint.json (cost kept as a number even when some are unknown)."""
+        return {**self.as_dict(), "cost_sum": self.cost}
+
+
+@dataclass(slots=True)
+class RowEntry:
+    """One row key: its winning line so far and how many attempts it took."""
+
+    rank: int  # OUTCOME_RANK of the winning line (NO_WINNER: every line was filtered)
+    prompt_index: int  # of the winning line, as committed
+    failures: int = 0  # failed lines of this row (the next attempt is failures + 1)
+    attempts: int = 0  # all lines of this row
+    file_no: int = -1  # where the winning line is; -1 when known from checkpoint.json only
+    line_no: int = 0  # 1-based line number in its file
+    offset: int = 0
+    length: int = 0
+    error_class: str | None = None
+    row_id: str = ""  # metadata.id of the winning line
+    detail: Any = None  # what the view's `detail` hook made of the winning line (the report's summary)
+
+    def beaten_by(self, rank: int) -> bool:
+        """THE rule: a strictly better outcome wins; the first line of an outcome stays."""
+        return rank > self.rank
+
+    @property
+    def committed(self) -> bool:
+        """Done for good: ok or discarded (a failed or filtered row runs again on resume)."""
+        return self.rank >= DISCARDED_RANK
+
+
+@dataclass
+class KeptTally:
+    """Figures over the kept rows (the lines of trajectories.jsonl), as the original counts them."""
+
+    ok: int = 0
+    completed: int = 0
+    partial: int = 0
+    turn_limit: int = 0
+    api_calls: int = 0
+    tool_stats: dict[str, dict[str, int]] = field(default_factory=dict)
+    reasoning: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("total_assistant_turns", "turns_with_reasoning", "turns_without_reasoning"), 0))
+
+    def add(self, raw: dict) -> None:
+        self.ok += 1
+        completed, partial = bool(raw.get("completed")), bool(raw.get("partial"))
+        self.completed += completed
+        self.partial += partial
+        self.turn_limit += not completed and not partial
+        api_calls = raw.get("api_calls")
+        self.api_calls += api_calls if isinstance(api_calls, int) else 0
+        for name, stats in raw["tool_stats"].items():
+            if stats != _UNUSED and isinstance(stats, dict):  # most tools are not called in a row
+                total = self.tool_stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
+                for k in total:
+                    v = stats.get(k)
+                    total[k] += v if isinstance(v, int) else 0
+        reasoning = raw.get("reasoning_stats")
+        if isinstance(reasoning, dict):
+            for k in self.reasoning:
+                v = reasoning.get(k)
+                self.reasoning[k] += v if isinstance(v, int) else 0
+
+
+def invalid_tool(raw: dict) -> str | None:
+    """Why an ok line cannot be kept: a tool name we do not know, or no conversation at all."""
+    stats = raw.get("tool_stats")
+    if not isinstance(stats, dict) or not isinstance(raw.get("conversations"), list):
+        return "<malformed row>"
+    known = _known_tools()
+    if known.issuperset(stats):
+        return None
+    return next(name for name in stats if name not in known)
+
+
+@functools.cache
+def _known_tools() -> frozenset[str]:
+    return frozenset(all_tool_names())
+
+
+def parse_time(value: Any) -> float | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        return None
+
+
+Detail = Callable[[LineFields, RowEntry], Any]
+
+
+class RunView:
+    """The rows of a run as its batch files say, and what every line spent.
+
+    `dataset` maps the row keys of the current dataset to their index (None: every key in the
+    files is a row, as the store sees them); `ids` gives their current ids. `tally=True` adds the
+    figures over kept rows and the per-invocation time spans (the merge needs them; a resume
+    does not). `detail(fields, entry)` is called for each line that becomes a row's winner, and
+    its value kept on the entry (the report's per-row summary); `on_line(fields)` for every
+    committed line, stale ones included (a reader with sums of its own: the files are read once).
+    """
+
+    def __init__(self, dataset: Mapping[str, int] | None = None, *, ids: Mapping[str, str] | None = None,
+                 tally: bool = True, detail: Detail | None = None,
+                 on_line: Callable[[LineFields], None] | None = None, log: Callable[[str], None] = print):
+        self.dataset = dataset
+        self.ids = ids or {}
+        self.tally = tally
+        self.detail = detail
+        self.on_line = on_line
+        self.log = log
+        self.files: list[Path] = []
+        self.rows: dict[str, RowEntry] = {}
+        self.stale: set[str] = set()
+        self.lines = 0
+        self.unreadable = 0
+        self.filtered = 0
+        self.spend = {name: Spend() for name in SPEND_BUCKETS}
+        self.kept = KeptTally()
+        self.batch_stats: dict[str, dict[str, int]] = {}
+        self.spans: dict[str, list] = {}  # run_id -> [first start, last end, lines], from line timestamps
+        # spend by model, retried attempts and spend over time (the merge and the report need them)
+        self.cost = SpendTally() if tally else None
+
+    # --- reading ----------------------------------------------------------------------------
+
+    def read_file(self, file_no: int, path: Path, start: int = 0, line_no: int = 0) -> int:
+        """Add every complete line of `path` from byte `start`; returns the offset after the last."""
+        end = start
+        with open(path, "rb") as handle:
+            handle.seek(start)
+            for line in handle:
+                if not line.endswith(b"\n"):
+                    break  # an unfinished tail is not a line (the store moves it aside)
+                line_no += 1
+                fields = read_line(line)
+                if fields is None:
+                    self.lines += 1
+                    self.unreadable += 1
+                    self.log(f"   ⚠️  {path.name}: skipping an unreadable line at byte {end}")
+                else:
+                    self.add(fields, file_no, line_no, end, len(line), path.stem.split("_")[-1])
+                end += len(line)
+        return end
+
+    def add(self, fields: LineFields, file_no: int = -1, line_no: int = 0, offset: int = 0, length: int = 0,
+            batch: str | None = None) -> None:
+        """Count one committed line (read from a file, or just committed by the store)."""
+        self.lines += 1
+        key, outcome = fields.key, fields.outcome
+        rank = OUTCOME_RANK[outcome]
+        self._count_batch(str(fields.metadata.get("batch_num", batch)), outcome)
+        if self.tally:
+            self._note_span(fields)
+        if self.on_line is not None:
+            self.on_line(fields)
+        if self.dataset is not None and key not in self.dataset:
+            self.stale.add(key)
+            self._spend("other" if outcome == "ok" else outcome, fields)
+            return
+        entry = self.rows.get(key)
+        if entry is None:
+            entry = self.rows[key] = RowEntry(NO_WINNER, fields.prompt_index)
+        entry.attempts += 1
+        if outcome == "failed":
+            entry.failures += 1
+        if outcome == "ok" and (bad := invalid_tool(fields.raw)):
+            self.filtered += 1
+            where = self.files[file_no].name if 0 <= file_no < len(self.files) else "a new line"
+            self.log(f"   ⚠️  Filtering a row of {where}: invalid tool '{bad[:50]}'")
+            self._spend("other", fields)
+            return
+        if not entry.beaten_by(rank):
+            self._spend("other" if outcome == "ok" else outcome, fields)
+            return
+        entry.rank, entry.prompt_index = rank, fields.prompt_index
+        entry.file_no, entry.line_no, entry.offset, entry.length = file_no, line_no, offset, length
+        entry.error_class, entry.row_id = fields.error_class, fields.row_id
+        if outcome == "ok":
+            self._spend("kept", fields)
+            if self.tally:
+                self.kept.add(fields.raw)
+        else:
+            self._spend(outcome, fields)
+        if self.detail is not None:
+            entry.detail = self.detail(fields, entry)
+
+    def _spend(self, bucket: str, fields: LineFields) -> None:
+        self.spend[bucket].add(fields.usage, fields.duration)
+        if self.cost is not None:
+            self.cost.add(bucket, fields.key, fields.timestamp, fields.usage)
+
+    def _note_span(self, fields: LineFields) -> None:
+        end = parse_time(fields.timestamp)
+        if end is None:
+            return
+        start = end - (fields.duration or 0.0)
+        span = self.spans.get(fields.run_id)
+        if span is None:
+            self.spans[fields.run_id] = [start, end, 1]
+        else:
+            span[0], span[1], span[2] = min(span[0], start), max(span[1], end), span[2] + 1
+
+    def _count_batch(self, batch: str, outcome: str) -> None:
+        stats = self.batch_stats.get(batch)
+        if stats is None:
+            stats = self.batch_stats[batch] = {"processed": 0, "ok": 0, "discarded_no_reasoning": 0, "failed": 0}
+        stats["processed"] += 1
+        stats["discarded_no_reasoning" if outcome == "discarded" else outcome] += 1
+
+    # --- what the readers ask -----------------------------------------------------------------
+
+    def total_spend(self) -> Spend:
+        total = Spend()
+        for bucket in self.spend.values():
+            total.merge(bucket)
+        return total
+
+    def entry(self, key: str) -> RowEntry | None:
+        return self.rows.get(key)
+
+    def current(self, key: str) -> tuple[int, str]:
+        """A row's position and id in the current dataset (as committed, read without a dataset):
+        what trajectories.jsonl and report.html both carry, so a dataset edit shows in both."""
+        entry = self.rows[key]
+        if self.dataset is None:
+            return entry.prompt_index, entry.row_id
+        return self.dataset[key], self.ids.get(key, "")
+
+    def is_committed(self, key: str) -> bool:
+        entry = self.rows.get(key)
+        return entry is not None and entry.committed
+
+    def counts(self) -> dict[str, Any]:
+        """Row outcomes of the dataset (every key in the files when no dataset was given)."""
+        discarded = failed = 0
+        failed_by_class: dict[str, int] = {}
+        retried = 0
+        for entry in self.rows.values():
+            if entry.attempts > 1:
+                retried += 1
+            if entry.rank == DISCARDED_RANK:
+                discarded += 1
+            elif entry.rank == OUTCOME_RANK["failed"]:
+                failed += 1
+                cls = entry.error_class or "agent"
+                failed_by_class[cls] = failed_by_class.get(cls, 0) + 1
+        with_winner = sum(1 for e in self.rows.values() if e.rank != NO_WINNER)
+        total = len(self.dataset) if self.dataset is not None else len(self.rows)
+        return {
+            "outcomes": {
+                "ok": self.kept.ok,
+                "completed": self.kept.completed,
+                "partial": self.kept.partial,
+                "turn_limit": self.kept.turn_limit,
+                "discarded": discarded,
+                "failed": failed,
+                "not_run": total - with_winner,
+                "filtered": self.filtered,
+            },
+            "failed_by_class": dict(sorted(failed_by_class.items())),
+            "retried_rows": retried,
+        }
+
+
+def read_run(files: list[Path], view: RunView) -> RunView:
+    """Read every batch file (in order) into `view`."""
+    view.files = list(files)
+    for file_no, path in enumerate(files):
+        view.read_file(file_no, path)
+    return view

@@ -1,0 +1,371 @@
+"""The run directory: the only code that writes batch files and checkpoint.json.
+
+Invariants (DESIGN §3):
+- a row is committed when its line, ending in a newline, is fsynced in a batch file;
+- committed lines are never rewritten; new work goes to new batch files after the existing ones;
+- an unterminated last line (a crash mid-write) is moved aside to `<file>.torn` before anything
+  else happens, so no new line can ever be glued onto it;
+- checkpoint.json is a cache of what the batch files say (rewritten atomically, coalesced); when
+  it disagrees with the files, the files win.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import tempfile
+import time
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+import orjson
+
+from runner.storage.records import OUTCOME_RANK, LineFields, outcome_of, record_line, validate_record
+from runner.storage.runview import NO_WINNER, SPEND_BUCKETS, RowEntry, RunView, Spend
+from runner.input.secrets import redact_bytes
+
+BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
+_OUTCOME_NAME = {rank: name for name, rank in OUTCOME_RANK.items()}
+
+
+def private_opener(path: str, flags: int) -> int:
+    """`open(..., opener=private_opener)`: a file the runner creates is readable by its owner only
+    (rows may hold whatever the prompts and tools saw); an existing file keeps its mode."""
+    return os.open(path, flags, 0o600)
+
+
+def keep_mode(tmp: str | Path, target: Path) -> None:
+    """A replacement written to a private temp file takes the mode of the file it replaces."""
+    if target.exists():
+        os.chmod(tmp, target.stat().st_mode & 0o777)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a private temp file in the same folder, fsync, then rename over the target."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}_", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        keep_mode(tmp, path)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, value: Any) -> None:
+    atomic_write_bytes(path, orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+# errno values that mean "the disk cannot take this write", not "our bug"
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+
+
+class StorageError(Exception):
+    """The run directory cannot be written (disk full, quota, read-only, I/O error)."""
+
+    def __init__(self, path: Path | str, error: OSError):
+        self.path = Path(path)
+        self.error = error
+        super().__init__(f"cannot write {self.path}: {error.strerror or error}")
+
+
+@contextmanager
+def storage_errors(path: Path | str):
+    """Turn an OSError of a write to `path` into a StorageError naming it."""
+    try:
+        yield
+    except OSError as err:
+        raise StorageError(path, err) from err
+
+
+def record_outcome(record: dict) -> str:
+    return outcome_of(record)
+
+
+def record_key(record: dict) -> str | None:
+    metadata = record.get("metadata")
+    return metadata.get("row_key") if isinstance(metadata, dict) else None
+
+
+def batch_files(run_dir: Path) -> list[Path]:
+    """Batch files in numeric order (batch_2 before batch_10)."""
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := BATCH_FILE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+# What the runner writes into a run directory; --overwrite removes these and nothing else.
+OWN_FILES = ("checkpoint.json", "statistics.json", "trajectories.jsonl", "config.json", "report.html", "status.json",
+             "status_history.jsonl")
+_OWN_FILE = re.compile(
+    r"^(batch_\d+\.jsonl(\.torn)?"
+    r"|\.(checkpoint|statistics|trajectories|config|report|status)_[A-Za-z0-9_]+\.tmp)$"  # atomic-write temp files
+)
+
+
+def is_own_name(name: str) -> bool:
+    """A file name the runner writes (or appends to) in a run directory."""
+    return name in OWN_FILES or bool(_OWN_FILE.match(name))
+
+
+def own_files(run_dir: Path) -> list[Path]:
+    """The files of the run directory the runner itself wrote (never the user's own files)."""
+    return [p for p in run_dir.iterdir() if is_own_name(p.name) and p.is_file()]
+
+
+def is_own_file_of(run_dir: Path, path: Path | str) -> bool:
+    """Is `path` (symlinks resolved) one the runner would write in `run_dir`? A dataset kept there
+    under such a name would be overwritten or appended to by the run. The lock record counts too."""
+    from runner.storage.lock import RECORD_NAME
+
+    target = Path(path).resolve()
+    return target.parent == Path(run_dir).resolve() and (is_own_name(target.name) or target.name == RECORD_NAME)
+
+
+def iter_lines(path: Path, start: int = 0) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) for each complete line from `start`; an unterminated tail is not a line."""
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        offset = start
+        for line in handle:
+            if not line.endswith(b"\n"):
+                return
+            yield offset, line
+            offset += len(line)
+
+
+class RunStore:
+    CHECKPOINT_EVERY = 2.0  # seconds between coalesced checkpoint writes
+
+    def __init__(self, run_dir: Path, run_name: str, batch_size: int):
+        self.run_dir = run_dir
+        self.run_name = run_name
+        self.batch_size = batch_size
+        self.checkpoint_path = run_dir / "checkpoint.json"
+        self.view = RunView(tally=False)  # what the batch files say (runner/storage/runview.py)
+        self.file_sizes: dict[str, int] = {}
+        self._handle = None
+        self._opening: Path | None = None  # the batch file being opened (named if that fails)
+        self._synced_size = 0  # bytes of the open batch file known to be fsynced
+        self._batch_num = 0
+        self._lines_in_batch = 0
+        self._last_checkpoint = 0.0
+        self._dirty = False
+        self._view_diverged = False  # a failed commit left lines in the view that are not in the files
+
+    # --- reading what is there ------------------------------------------------------------
+
+    def repair_torn_tails(self, log=print) -> int:
+        """Move an unterminated last line of each batch file to `<file>.torn`. Returns files fixed."""
+        fixed = 0
+        for path in batch_files(self.run_dir):
+            size = path.stat().st_size
+            if size == 0:
+                continue
+            with open(path, "rb+") as handle:
+                handle.seek(size - 1)
+                if handle.read(1) == b"\n":
+                    continue
+                end = _last_newline_end(handle, size)
+                handle.seek(end)
+                torn = handle.read()
+                with open(path.with_name(path.name + ".torn"), "ab", opener=private_opener) as side:
+                    side.write(torn + b"\n")
+                    side.flush()
+                    os.fsync(side.fileno())
+                handle.truncate(end)
+                handle.flush()
+                os.fsync(handle.fileno())
+            fixed += 1
+            log(f"🩹 {path.name}: moved an unfinished last line ({len(torn)} bytes) to {path.name}.torn")
+        return fixed
+
+    def load(self, log=print) -> None:
+        """Rebuild the run view from the batch files, reading only what checkpoint.json has not seen."""
+        checkpoint = self._read_checkpoint(log)
+        files = batch_files(self.run_dir)
+        cached_sizes = checkpoint.get("files") or {}
+        trusted = isinstance(checkpoint.get("rows"), dict) and isinstance(checkpoint.get("spend"), dict) and all(
+            (self.run_dir / name).exists() and (self.run_dir / name).stat().st_size >= size
+            for name, size in cached_sizes.items()
+        )
+        self.view = RunView(tally=False, log=log)
+        self.view.files = files
+        if trusted:
+            self._restore(checkpoint)
+        for file_no, path in enumerate(files):
+            start = cached_sizes.get(path.name, 0) if trusted else 0
+            self.file_sizes[path.name] = max(self.view.read_file(file_no, path, start), start)
+        self._batch_num = int(BATCH_FILE.match(files[-1].name).group(1)) + 1 if files else 0
+
+    def _restore(self, checkpoint: dict) -> None:
+        """The view as checkpoint.json caches it: row states, batch statistics and the spend."""
+        rows = self.view.rows
+        for key, (outcome, index, failures) in checkpoint["rows"].items():
+            rank = OUTCOME_RANK.get(outcome, NO_WINNER)
+            rows[key] = RowEntry(rank, index, failures=failures, attempts=failures + (rank != OUTCOME_RANK["failed"]))
+        self.view.batch_stats = checkpoint.get("batch_stats") or {}
+        for bucket in SPEND_BUCKETS:
+            self.view.spend[bucket] = Spend.from_dict(checkpoint["spend"].get(bucket) or {})
+
+    def _read_checkpoint(self, log) -> dict:
+        if not self.checkpoint_path.exists():
+            return {}
+        try:
+            data = orjson.loads(self.checkpoint_path.read_bytes())
+        except (OSError, orjson.JSONDecodeError) as err:
+            log(f"⚠️  checkpoint.json is unreadable ({err}); rebuilding it from the batch files")
+            return {}
+        if not isinstance(data, dict) or data.get("run_name") != self.run_name:
+            return {}
+        return data
+
+    @property
+    def batch_stats(self) -> dict[str, dict[str, int]]:
+        return self.view.batch_stats
+
+    def is_committed(self, key: str) -> bool:
+        return self.view.is_committed(key)
+
+    def outcome(self, key: str) -> str | None:
+        """The outcome of the row's winning line (None: nothing committed, or only filtered lines)."""
+        entry = self.view.entry(key)
+        return _OUTCOME_NAME.get(entry.rank) if entry else None
+
+    def failures(self, key: str) -> int:
+        entry = self.view.entry(key)
+        return entry.failures if entry else 0
+
+    def spent(self) -> Spend:
+        """What every committed line of the run spent so far (all invocations), kept or not: kept
+        up to date as rows commit, so it costs nothing to ask."""
+        return self.view.total_spend()
+
+    # --- writing ----------------------------------------------------------------------------
+
+    def commit(self, records: list[dict]) -> None:
+        """Append records (one line each) and fsync once for the group: they are then committed.
+
+        Every known secret value is replaced by [REDACTED] in the line first, so a key that a
+        command managed to read still never reaches the dataset. A write that fails (disk full)
+        truncates the batch file back to its last fsynced size and raises StorageError: lines
+        fsynced before stay committed, the failed group is not."""
+        if not records:
+            return
+        # Every record is checked against its model before any is written (RecordError otherwise).
+        models = [validate_record(record) for record in records]
+        try:
+            for record, model in zip(records, models):
+                key = model.metadata.row_key
+                if self.is_committed(key):
+                    continue  # a result that arrived twice (e.g. a retried Ray task): keep the first
+                if self._handle is None or self._lines_in_batch >= self.batch_size:
+                    self._rotate()
+                model.metadata.batch_num = record["metadata"]["batch_num"] = self._batch_num
+                self._write_all(redact_bytes(record_line(model)[:-1]) + b"\n")
+                self._lines_in_batch += 1
+                self.view.add(LineFields(record, key), batch=str(self._batch_num))
+            if self._handle is not None:
+                os.fsync(self._handle.fileno())
+                self._synced_size = self._handle.tell()
+                self.file_sizes[Path(self._handle.name).name] = self._synced_size
+        except OSError as err:
+            # The view has counted lines that were cut back off the file: from now on it is not
+            # what the files say, so no checkpoint is written from it (a resume reads the files).
+            self._view_diverged = True
+            path = self._abandon_batch_file()
+            raise StorageError(path or self.run_dir, err) from err
+        self._dirty = True
+        self.save_checkpoint()
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # an unbuffered write may be short
+            view = view[self._handle.write(view):]
+
+    def _abandon_batch_file(self) -> Path | None:
+        """After a failed write: cut the file back to what was fsynced (no half line), close it."""
+        if self._handle is None:
+            return self._opening
+        path = Path(self._handle.name)
+        try:
+            os.ftruncate(self._handle.fileno(), self._synced_size)
+        except OSError:
+            pass  # a resume moves an unfinished last line aside anyway
+        self._handle.close()
+        self._handle = None
+        return path
+
+    def _rotate(self) -> None:
+        if self._handle is not None:
+            os.fsync(self._handle.fileno())
+            self.file_sizes[Path(self._handle.name).name] = self._handle.tell()
+            self._handle.close()
+            self._handle = None
+            self._batch_num += 1
+        path = self._opening = self.run_dir / f"batch_{self._batch_num}.jsonl"
+        # Unbuffered: after a failed write no buffered bytes are left to be written later.
+        self._handle = open(path, "ab", buffering=0, opener=private_opener)
+        self._synced_size = self._handle.tell()
+        self._lines_in_batch = 0
+        _fsync_dir(self.run_dir)  # the new file's name must survive a crash too
+
+    def save_checkpoint(self, force: bool = False) -> None:
+        if self._view_diverged:
+            return
+        now = time.monotonic()
+        if not force and (not self._dirty or now - self._last_checkpoint < self.CHECKPOINT_EVERY):
+            return
+        rows = self.view.rows
+        completed = sorted({e.prompt_index for e in rows.values() if e.committed and e.prompt_index >= 0})
+        with storage_errors(self.checkpoint_path):
+            atomic_write_json(
+                self.checkpoint_path,
+                {
+                    "run_name": self.run_name,
+                    "completed_prompts": completed,
+                    "batch_stats": self.batch_stats,
+                    "last_updated": datetime.now().isoformat(),
+                    "files": self.file_sizes,
+                    "rows": {k: [_OUTCOME_NAME.get(e.rank, "none"), e.prompt_index, e.failures] for k, e in rows.items()},
+                    "spend": {bucket: spend.cache_form() for bucket, spend in self.view.spend.items()},
+                },
+            )
+        self._last_checkpoint = now
+        self._dirty = False
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+            self._handle = None
+        self.save_checkpoint(force=True)
+
+
+def _last_newline_end(handle, size: int) -> int:
+    """Offset just after the last newline in the file (0 if there is none)."""
+    position = size
+    while position > 0:
+        step = min(65536, position)
+        position -= step
+        handle.seek(position)
+        chunk = handle.read(step)
+        found = chunk.rfind(b"\n")
+        if found >= 0:
+            return position + found + 1
+    return 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,60 @@
+"""The README's two set-up commands, as a new user runs them: from a fresh clone, in a fresh venv."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _setup_commands() -> list[str]:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Two commands on a fresh machine", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+
+
+def test_ci_runs_the_readme_test_command_in_a_virtual_environment():
+    demo, tests = _setup_commands()
+    assert tests == "bash .ci/run"
+    script = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    assert "python3 -m venv" in script and "python3-venv" in script
+    code = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
+    installs = [line for line in code if "pip install" in line]
+    assert installs and all(line.startswith(".venv/bin/python -m pip install") for line in installs)  # never the system pip
+    assert script.rstrip().splitlines()[-1].startswith(".venv/bin/python -m pytest")
+    assert demo.startswith("python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python batch_runner.py ")
+
+
+@pytest.mark.slow
+def test_demo_command_works_from_a_fresh_clone(tmp_path):
+    if not shutil.which("git"):
+        pytest.skip("git is not installed")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
+    demo, _ = _setup_commands()
+    # The one change: the venv sees the packages this machine already has, so the test downloads
+    # nothing but pip's build backend (the command as written would fetch every dependency).
+    command = demo.replace("python3 -m venv .venv", "python3 -m venv --system-site-packages .venv", 1)
+    assert command != demo
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "OPENROUTER_API_KEY")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # python3: this Python
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    proc = subprocess.run(["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = (clone / "data" / "demo" / "trajectories.jsonl").read_text(encoding="utf-8").splitlines()
+    prompts = (clone / "data" / "example_prompts.jsonl").read_text(encoding="utf-8").splitlines()
+    assert len(rows) == len([p for p in prompts if p.strip()])
+    assert all(json.loads(row)["conversations"] for row in rows)
+    assert (clone / "data" / "demo" / "report.html").exists()
+    # the venv's own package, not one installed elsewhere on the machine
+    where = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-c", "import runner.storage.store as s; print(s.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(clone)), where

@@ -1,0 +1,164 @@
+"""The command line as a new user types it: typos stop the run, --help explains, names stay text."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+import batch_runner
+from runner.input.flags import FLAG_NAMES, FLAGS, NEW, ORIGINAL
+from tests.conftest import REPO, read_jsonl, run_cli, write_jsonl
+
+
+def _dataset(tmp_path):
+    return write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Explain rainbows briefly."}, {"prompt": "And clouds?"}])
+
+
+@pytest.mark.parametrize(
+    "typo, suggestion",
+    [
+        ("--num_worker=1", "--num_workers"),
+        ("--max_sample=2", "--max_samples"),
+        ("--verbos", "--verbose"),
+        ("--max-sample", "--max_samples"),
+        ("--num_worker 1", "--num_workers"),
+        ("--noverbos", "--verbose"),
+    ],
+)
+def test_unknown_flag_stops_before_anything_starts(tmp_path, typo, suggestion):
+    data = _dataset(tmp_path)
+    args = [f"--dataset_file={data}", "--batch_size=1", "--run_name=r", "--model=mock", *typo.split(" ")]
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    flag = typo.split("=")[0].split(" ")[0]
+    assert f"unknown flag {flag}" in proc.stderr
+    assert f"did you mean {suggestion}?" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "data").exists()  # nothing started, nothing written
+    assert "Batch Runner Initialized" not in proc.stdout
+
+
+def test_stray_arguments_and_short_flags_are_refused(tmp_path):
+    data = _dataset(tmp_path)
+    common = [f"--dataset_file={data}", "--batch_size=1", "--run_name=r", "--model=mock"]
+    for extra, needle in ((["stray"], "unexpected argument 'stray'"), (["-w", "2"], "unknown flag -w"),
+                          (["--run_name"], "--run_name needs a value")):
+        proc = run_cli(common + extra, tmp_path)
+        assert proc.returncode == 1, extra
+        assert needle in proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_every_fire_spelling_of_a_real_flag_is_accepted(tmp_path):
+    data = _dataset(tmp_path)
+    proc = run_cli(
+        [f"--dataset-file={data}", "--batch_size", "1", "--run_name=spelled", "--model", "mock", "--noverbose",
+         "--keep-no-reasoning", "--distribution=minimal", "--num_workers=2"],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(read_jsonl(tmp_path / "data" / "spelled" / "trajectories.jsonl")) == 2
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--overwrite=no"], "--overwrite"), (["--overwrite=maybe"], "--overwrite"),
+    (["--resume=nope"], "--resume"), (["--verbose=maybe"], "--verbose"), (["--verbose", "2"], "--verbose"),
+])
+def test_a_boolean_flag_refuses_a_value_that_is_not_on_or_off(tmp_path, extra, flag):
+    """Issue 14 H1: fire made any text true, so --overwrite=no deleted the run's outputs."""
+    data = _dataset(tmp_path)
+    common = [f"--dataset_file={data}", "--batch_size=2", "--run_name=r", "--model=mock", "--distribution=minimal"]
+    assert run_cli(common, tmp_path).returncode == 0
+    trajectories = tmp_path / "data" / "r" / "trajectories.jsonl"
+    before = trajectories.read_bytes()
+    proc = run_cli(common + extra, tmp_path)
+    if extra == ["--overwrite=no"]:  # a word that means off: the run exists, so it is refused as without --overwrite
+        assert "removed the earlier outputs" not in proc.stdout + proc.stderr
+        assert proc.returncode == 1, proc.stderr
+    else:
+        assert proc.returncode == 1, proc.stderr
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and flag in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert trajectories.read_bytes() == before
+
+
+def test_boolean_flag_words_mean_what_they_say(tmp_path):
+    data = _dataset(tmp_path)
+    common = [f"--dataset_file={data}", "--batch_size=2", "--run_name=w", "--model=mock", "--distribution=minimal"]
+    assert run_cli(common + ["--verbose=OFF", "--resume=false"], tmp_path).returncode == 0
+    for off in (["--resume=no", "--overwrite=0"], ["--resume", "Off"], ["--noresume", "--overwrite=FALSE"]):
+        proc = run_cli(common + off, tmp_path)
+        assert proc.returncode == 1 and "removed the earlier outputs" not in proc.stdout, (off, proc.stdout, proc.stderr)
+    proc = run_cli(common + ["--resume=Yes"], tmp_path)
+    assert proc.returncode == 0 and "removed the earlier outputs" not in proc.stdout, proc.stderr
+    proc = run_cli(common + ["--overwrite=ON"], tmp_path)
+    assert proc.returncode == 0 and "removed the earlier outputs" in proc.stdout + proc.stderr, proc.stderr
+
+
+def test_a_double_dash_and_what_follows_it_are_refused(tmp_path):
+    """Issue 14 H2: after '--' fire took the flags as its own, and the run ignored them."""
+    data = _dataset(tmp_path)
+    proc = run_cli([f"--dataset_file={data}", "--batch_size=1", "--run_name=dd", "--model=mock", "--",
+                    "--max_samples=1", "--num_workers=1"], tmp_path)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "'--'" in lines[0], proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("name", ["1e3", "0x10", "1_000", "007", "True", "None"])
+def test_run_names_are_text_as_typed(tmp_path, name):
+    data = _dataset(tmp_path)
+    proc = run_cli([f"--dataset_file={data}", "--batch_size=2", f"--run_name={name}", "--model=mock",
+                    "--distribution=minimal"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in (tmp_path / "data").iterdir()] == [name]
+    assert read_jsonl(tmp_path / "data" / name / "trajectories.jsonl")
+
+
+def test_help_has_one_described_line_per_flag_with_full_defaults(tmp_path):
+    proc = run_cli(["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for name in FLAG_NAMES:
+        lines = [line for line in out.splitlines() if line.startswith(f"  --{name} ")]
+        assert len(lines) == 1, name
+        assert len(lines[0].split(None, 1)) == 2 and len(lines[0].split(None, 1)[1]) > 10, lines[0]
+    model_line = next(line for line in out.splitlines() if line.startswith("  --model "))
+    assert "[default: anthropic/claude-sonnet-4.6]" in model_line
+    moa_line = next(line for line in out.splitlines() if line.startswith("  --moa_reference_models "))
+    assert "[default: anthropic/claude-sonnet-4.6,google/gemini-2.5-pro,openai/gpt-5,deepseek/deepseek-r1]" in moa_line
+    assert "sonn..." not in out and "-w," not in out and "-w " not in out
+    assert out.index(f"{ORIGINAL}:") < out.index("  --dataset_file ") < out.index(f"{NEW}:") < out.index("  --seed ")
+    assert not (tmp_path / "data").exists()
+
+
+def test_flag_table_is_main_signature_and_readme():
+    """One table: the flags main() takes, each listed in the README table of its group."""
+    assert FLAG_NAMES == list(inspect.signature(batch_runner.main).parameters)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    original = readme.split("## Flags", 1)[1].split("New flags:", 1)[0]
+    new = readme.split("New flags:", 1)[1].split("Exit codes:", 1)[0]
+    for flag in FLAGS:
+        section = original if flag.group == ORIGINAL else new
+        assert re.search(rf"`--{flag.name}`", section), f"--{flag.name} missing from the README's {flag.group!r} table"
+
+
+def test_each_default_is_defined_once_on_its_config_field():
+    """main() leaves every option None (not given): the config models hold the defaults, which
+    --help shows; a flag whose help names a default without a field default would be a second one."""
+    from runner.input.config import RunConfig, flag_default
+    from runner.input.flags import CONFIG
+
+    switches = {"resume", "list_distributions", "report", "overwrite", "allow_config_change"}
+    for name, param in inspect.signature(batch_runner.main).parameters.items():
+        assert param.default is (False if name in switches else None), name
+    for flag in FLAGS:
+        if flag.default == CONFIG:
+            assert flag_default(flag.name) not in (None, "None", ""), flag.name
+    assert flag_default("command_timeout") == "180" and flag_default("request_timeout") == "600"
+    config = batch_runner.build_config(dataset_file="d.jsonl", batch_size=1, run_name="r", model="mock")
+    assert config.model_dump(exclude={"tools"}) == RunConfig(dataset_file="d.jsonl", batch_size=1, run_name="r",
+                                                             model="mock").model_dump(exclude={"tools"})

@@ -1,0 +1,128 @@
+"""The original's Python API: BatchRunner(dataset_file=..., ...).run(resume=...), from a real script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import REPO, SECRET_KEY, read_jsonl, write_jsonl
+
+TERMINAL_PROMPT = '@tool terminal {"command": "echo from-the-api"}\nRun echo.'
+
+
+def _script(tmp_path, body: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "drive.py"
+    # The guard is Python's rule for any script that starts processes with spawn or forkserver.
+    code = "from batch_runner import BatchRunner\n\nif __name__ == '__main__':\n" + textwrap.indent(textwrap.dedent(body), "    ")
+    script.write_text(code, encoding="utf-8")
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+
+
+def test_original_keyword_constructor_and_run_resume(tmp_path, model_server):
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": TERMINAL_PROMPT}, {"prompt": "Plain question?"}])
+    proc = _script(tmp_path, f"""
+        runner = BatchRunner(
+            dataset_file="d.jsonl", batch_size=1, run_name="api_run", distribution="terminal_only",
+            max_iterations=3, base_url={model_server.base_url!r}, api_key={SECRET_KEY!r}, model="test-model",
+            num_workers=2, providers_allowed=["anthropic", "openai"], provider_sort="price",
+            reasoning_config={{"enabled": True, "effort": "high"}}, max_tokens=321,
+            prefill_messages=[{{"role": "user", "content": "PREFILL"}}], ephemeral_system_prompt="EPHEMERAL",
+        )
+        first = runner.run(resume=False)
+        again = BatchRunner(dataset_file="d.jsonl", batch_size=1, run_name="api_run", distribution="terminal_only",
+                            max_iterations=3, base_url={model_server.base_url!r}, api_key={SECRET_KEY!r},
+                            model="test-model", providers_allowed=["anthropic", "openai"], provider_sort="price",
+                            reasoning_config={{"enabled": True, "effort": "high"}}, max_tokens=321,
+                            prefill_messages=[{{"role": "user", "content": "PREFILL"}}],
+                            ephemeral_system_prompt="EPHEMERAL").run(resume=True)
+        print("CODES", first, again)
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "CODES 0 0" in proc.stdout
+    assert "Resuming: 2 of 2 rows already committed" in proc.stdout
+    rows = read_jsonl(tmp_path / "data" / "api_run" / "trajectories.jsonl")
+    assert len(rows) == 2 and rows[0]["metadata"]["model"] == "test-model"
+    chat = [r for r in model_server.requests if r.path.endswith("/chat/completions")]
+    assert chat
+    for request in chat:
+        assert request.body["provider"] == {"only": ["anthropic", "openai"], "sort": "price"}
+        assert request.body["reasoning"] == {"enabled": True, "effort": "high"}
+        assert request.body["max_tokens"] == 321
+        assert request.body["messages"][1] == {"role": "user", "content": "PREFILL"}
+    config = json.loads((tmp_path / "data" / "api_run" / "config.json").read_text())["config"]
+    assert config["max_turns"] == 3
+    assert SECRET_KEY not in (tmp_path / "data" / "api_run" / "config.json").read_text()
+
+
+def test_original_defaults_and_bad_keywords(tmp_path):
+    proc = _script(tmp_path, """
+        from runner.input.original_api import config_from_original
+        config = config_from_original({"dataset_file": "d.jsonl", "batch_size": 2, "run_name": "r", "api_key": "k"})
+        print("DEFAULTS", config.model, config.max_turns, config.num_workers, config.base_url, config.distribution)
+        ours = BatchRunner(dataset_file="d.jsonl", batch_size=2, run_name="r", model="mock", output_dir="elsewhere", seed=3)
+        print("OURS", ours.run_dir, ours.config.seed)
+        try:
+            BatchRunner(dataset_file="d.jsonl", batch_size=2, run_name="r", model="mock", max_turns_typo=3)
+        except TypeError as err:
+            print("TYPEERROR", err)
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "DEFAULTS claude-opus-4-20250514 10 4 https://openrouter.ai/api/v1 default" in proc.stdout
+    assert "OURS elsewhere/r 3" in proc.stdout
+    assert "TYPEERROR BatchRunner() got unexpected keyword argument(s): max_turns_typo" in proc.stdout
+
+
+def test_our_flags_as_keywords_reach_the_request(tmp_path, model_server):
+    """Issue 14 M1: reasoning_effort= and prefill_messages_file= were printed, then dropped."""
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Plain question?"}])
+    (tmp_path / "prefill.json").write_text(json.dumps([{"role": "user", "content": "FROM-FILE"}]), encoding="utf-8")
+    proc = _script(tmp_path, f"""
+        code = BatchRunner(dataset_file="d.jsonl", batch_size=1, run_name="kw", distribution="minimal",
+                           max_iterations=2, base_url={model_server.base_url!r}, api_key={SECRET_KEY!r},
+                           model="test-model", reasoning_effort="high", prefill_messages_file="prefill.json").run()
+        print("CODE", code)
+        for both in ({{"max_iterations": 2, "max_turns": 7}}, {{"reasoning_config": {{"effort": "low"}}, "reasoning_disabled": True}},
+                     {{"prefill_messages": [], "prefill_messages_file": "prefill.json"}}):
+            try:
+                BatchRunner(dataset_file="d.jsonl", batch_size=1, run_name="kw2", model="mock", **both)
+            except Exception as err:
+                print("REFUSED", type(err).__name__, err)
+    """)
+    assert "CODE 0" in proc.stdout, proc.stdout + proc.stderr
+    chat = [r for r in model_server.requests if r.path.endswith("/chat/completions")]
+    assert chat
+    for request in chat:
+        assert request.body["reasoning"]["effort"] == "high"
+        assert {"role": "user", "content": "FROM-FILE"} in request.body["messages"]
+    config = json.loads((tmp_path / "data" / "kw" / "config.json").read_text())["config"]
+    assert config["max_turns"] == 2
+    assert "REFUSED UsageError BatchRunner() got both max_iterations and max_turns" in proc.stdout
+    assert "got both reasoning_config and reasoning_disabled" in proc.stdout
+    assert "got both prefill_messages and prefill_messages_file" in proc.stdout
+
+
+def test_reasoning_disabled_keyword_reaches_the_request(tmp_path, model_server):
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Plain question?"}])
+    proc = _script(tmp_path, f"""
+        print("CODE", BatchRunner(dataset_file="d.jsonl", batch_size=1, run_name="rd", distribution="minimal",
+                                  base_url={model_server.base_url!r}, api_key={SECRET_KEY!r}, model="test-model",
+                                  reasoning_disabled=True).run())
+    """)
+    assert "CODE 0" in proc.stdout, proc.stdout + proc.stderr
+    chat = [r for r in model_server.requests if r.path.endswith("/chat/completions")]
+    assert chat and all(r.body["reasoning"]["effort"] == "none" for r in chat)
+
+
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
+    """Issue 14 M2: the workers import the script again; without the guard they died unexplained."""
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Plain question?"}])
+    script = tmp_path / "unguarded.py"
+    script.write_text('from batch_runner import BatchRunner\n'
+                      'BatchRunner(dataset_file="d.jsonl", batch_size=1, run_name="ng", model="mock",\n'
+                      '            distribution="minimal", num_workers=1).run()\n', encoding="utf-8")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+    assert 'if __name__ == "__main__":' in proc.stdout + proc.stderr, proc.stdout + proc.stderr
