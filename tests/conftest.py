@@ -54,3 +54,55 @@ def model_server():
 def remote_args(model_server):
     """Flags pointing the runner at the local server, with a key that must never be written."""
     return [f"--base_url={model_server.base_url}", "--model=test-model", f"--api_key={SECRET_KEY}"]
+
+
+
+# --- the fast subset: `pytest -m "not slow"` ----------------------------------------------------
+# A test is slow when it starts a process (the CLI, a worker, a server binary) or needs Docker, a
+# browser, Ray or the real model. Which tests start a process is read from their code: a call of
+# run_cli or of anything in subprocess, directly or through the module's own helpers and fixtures,
+# so a new CLI test is marked without anyone remembering to.
+import ast  # noqa: E402
+import inspect  # noqa: E402
+
+_SLOW_MARKERS = {"docker", "browser", "ray", "slow"}
+
+
+def _starts_a_process(call: ast.Call) -> bool:
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id in ("run_cli", "Popen")
+    return isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "subprocess"
+
+
+def _slow_functions(module) -> set[str]:
+    """The module's functions (tests, helpers, fixtures) that start a process, directly or not."""
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    uses: dict[str, set[str]] = {}  # function -> the names it calls or takes as fixtures
+    slow: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            calls = [sub for sub in ast.walk(node) if isinstance(sub, ast.Call)]
+            uses[node.name] = {c.func.id for c in calls if isinstance(c.func, ast.Name)}
+            uses[node.name] |= {arg.arg for arg in node.args.args}
+            if any(_starts_a_process(c) for c in calls):
+                slow.add(node.name)
+    while grown := {name for name, used in uses.items() if used & slow} - slow:
+        slow |= grown
+    return slow
+
+
+def pytest_collection_modifyitems(config, items):
+    slow_in: dict = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        if module not in slow_in:
+            slow_in[module] = _slow_functions(module)
+        name = getattr(item, "originalname", None) or item.name.split("[", 1)[0]
+        if name in slow_in[module] or _SLOW_MARKERS & {mark.name for mark in item.iter_markers()}:
+            item.add_marker(pytest.mark.slow)
