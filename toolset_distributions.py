@@ -17,7 +17,7 @@ from tools import registry
 
 log = logging.getLogger(__name__)
 
-# The catalogue of the reference (§8.1), `moa` kept on purpose. Insertion order of the toolsets
+# The original's catalogue, `moa` kept on purpose. Insertion order of the toolsets
 # matters: it is the order of the Bernoulli trials, of the result list and of tie-breaking.
 DISTRIBUTIONS: dict[str, dict[str, Any]] = {
     "default": {

@@ -1,4 +1,4 @@
-"""The tool-calling loop of one agent session (reference §9.2), asynchronous.
+"""The tool-calling loop of one agent session, asynchronous.
 
 Each model reply is classified once (`classify` returns its `Reply` kind). A final answer ends the
 session; tool calls are run and their results kept. Every other kind is a bad reply: it is dropped

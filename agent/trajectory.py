@@ -1,6 +1,6 @@
 """Conversion of a session's messages to ShareGPT turns, and the per-row tool / reasoning stats.
 
-Format (reference §9.7, with its weaknesses fixed):
+Format (the original's, with its weaknesses fixed):
 - turn 1 `system`: the function-calling instructions with the offered tools as JSON;
 - turn 2 `human`: the dataset prompt exactly as given;
 - `gpt` turns: `<think>` reasoning, the text, then one `<tool_call>` block per call;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPU overhead of the cost accounting and status.json at 64 sessions (issue 15).
+"""CPU overhead of the cost accounting and status.json at 64 sessions.
 
     python bench/bench_budget.py                 # 20,000 prompts, 64 sessions, 60 prompts/s
     python bench/bench_budget.py --prompts 2000  # quicker

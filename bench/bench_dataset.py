@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A 1,000,000-row dataset: validation + row keys, one dispatch pass, and the CLI's time to first dispatch (issue 4).
+"""A 1,000,000-row dataset: validation + row keys, one dispatch pass, and the CLI's time to first dispatch.
 
     python bench/bench_dataset.py                  # 1,000,000 rows (~1-2 min in all)
     python bench/bench_dataset.py --rows 100000    # smaller, for a quick check

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Resuming a large run: 100,000 committed rows, 100 to go (issue 3).
+"""Resuming a large run: 100,000 committed rows, 100 to go.
 
     python bench/bench_resume.py                 # 100,000 rows of ~3 KB, 2 runs per case
     python bench/bench_resume.py --rows 20000    # smaller, for a quick check

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Throughput, CPU and memory of the real CLI against the local model server (issue 4).
+"""Throughput, CPU and memory of the real CLI against the local model server.
 
     python bench/bench_throughput.py --preset quick      # 16 sessions, 200 ms, 200 prompts (~20 s)
     python bench/bench_throughput.py --preset a          # 64 sessions, 500 ms, 2,000 prompts

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-# The original constructor's parameters and defaults (reference §1.2, §3).
+# The original constructor's parameters and defaults.
 ORIGINAL_DEFAULTS: dict[str, Any] = {
     "dataset_file": None,
     "batch_size": None,

@@ -1,6 +1,6 @@
 """The run directory: the only code that writes batch files and checkpoint.json.
 
-Invariants (DESIGN §3):
+Invariants:
 - a row is committed when its line, ending in a newline, is fsynced in a batch file;
 - committed lines are never rewritten; new work goes to new batch files after the existing ones;
 - an unterminated last line (a crash mid-write) is moved aside to `<file>.torn` before anything

@@ -133,7 +133,7 @@ def test_every_request_that_offers_tools_sets_tool_choice(terminal_run):
 
 
 def test_terminal_prompts_get_real_tool_calls_answered_by_id(terminal_run):
-    """Issue 12's bar: at least 3 of 4 prompts asking for a terminal command get a real tool call,
+    """The bar: at least 3 of 4 prompts asking for a terminal command get a real tool call,
     executed, whose result goes back to the model and into the dataset under the call's id."""
     run_dir, exchanges = terminal_run["run_dir"], terminal_run["exchanges"]
     server_calls = _server_tool_calls(exchanges)

@@ -10,7 +10,7 @@ from tools import registry
 from tools.registry import ToolSpec, unavailable_reason, unavailable_tools
 from tools.settings import ToolSettings
 
-# Toolset -> tools exactly as /work/shared/reference/tool_interfaces.md lists them (order included:
+# Toolset -> tools exactly as the original's tool interfaces list them (order included:
 # it is the order the tools are offered to the model).
 ORIGINAL_CATALOGUE = {
     "terminal": ("terminal", "process"),

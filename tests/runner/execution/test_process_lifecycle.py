@@ -1,6 +1,6 @@
 """The run's processes, through the real CLI: a dead parent, dead workers, crash loops, leftovers.
 
-DESIGN.md section 7: every process of a run dies with it (SIGKILL of the runner alone included)
+Every process of a run dies with it (SIGKILL of the runner alone included)
 and stops paying; a dead worker never wedges the parent; what a killed run leaves behind (temp
 files, working directories, commands) is cleaned up by the next start of the same run.
 """

@@ -1,5 +1,5 @@
 """What the runner sends and how it reads replies, through the real CLI against the local server
-(issue 12: tool_choice, the summary request, caching, cost, replies real servers send)."""
+(tool_choice, the summary request, caching, cost, replies real servers send)."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def test_every_fire_spelling_of_a_real_flag_is_accepted(tmp_path):
     (["--resume=nope"], "--resume"), (["--verbose=maybe"], "--verbose"), (["--verbose", "2"], "--verbose"),
 ])
 def test_a_boolean_flag_refuses_a_value_that_is_not_on_or_off(tmp_path, extra, flag):
-    """Issue 14 H1: fire made any text true, so --overwrite=no deleted the run's outputs."""
+    """fire made any text true, so --overwrite=no deleted the run's outputs."""
     data = _dataset(tmp_path)
     common = [f"--dataset_file={data}", "--batch_size=2", "--run_name=r", "--model=mock", "--distribution=minimal"]
     assert run_cli(common, tmp_path).returncode == 0
@@ -98,7 +98,7 @@ def test_boolean_flag_words_mean_what_they_say(tmp_path):
 
 
 def test_a_double_dash_and_what_follows_it_are_refused(tmp_path):
-    """Issue 14 H2: after '--' fire took the flags as its own, and the run ignored them."""
+    """After '--' fire took the flags as its own, and the run ignored them."""
     data = _dataset(tmp_path)
     proc = run_cli([f"--dataset_file={data}", "--batch_size=1", "--run_name=dd", "--model=mock", "--",
                     "--max_samples=1", "--num_workers=1"], tmp_path)

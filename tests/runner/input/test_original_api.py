@@ -76,7 +76,7 @@ def test_original_defaults_and_bad_keywords(tmp_path):
 
 
 def test_our_flags_as_keywords_reach_the_request(tmp_path, model_server):
-    """Issue 14 M1: reasoning_effort= and prefill_messages_file= were printed, then dropped."""
+    """reasoning_effort= and prefill_messages_file= were printed, then dropped."""
     write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Plain question?"}])
     (tmp_path / "prefill.json").write_text(json.dumps([{"role": "user", "content": "FROM-FILE"}]), encoding="utf-8")
     proc = _script(tmp_path, f"""
@@ -117,7 +117,7 @@ def test_reasoning_disabled_keyword_reaches_the_request(tmp_path, model_server):
 
 
 def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
-    """Issue 14 M2: the workers import the script again; without the guard they died unexplained."""
+    """The workers import the script again; without the guard they died unexplained."""
     write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Plain question?"}])
     script = tmp_path / "unguarded.py"
     script.write_text('from batch_runner import BatchRunner\n'

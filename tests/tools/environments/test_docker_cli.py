@@ -182,7 +182,7 @@ def _fork_server_children(runner_pid: int) -> list:
 
 
 def test_sigkill_of_the_runner_alone_removes_its_containers(client, model_server, run_name, tmp_path):
-    """Issue 11 item 1: with only the runner killed, its workers see it die, remove their sessions'
+    """With only the runner killed, its workers see it die, remove their sessions'
     containers and exit within 5 s; a container whose removal outlasts that is reaped at the next start."""
     import psutil
 
@@ -212,7 +212,7 @@ def test_sigkill_of_the_runner_alone_removes_its_containers(client, model_server
 
 
 def test_containers_of_a_killed_worker_are_removed_mid_run(client, model_server, run_name, tmp_path):
-    """Issue 11 item 9: a worker killed with SIGKILL cannot remove its containers; the parent
+    """A worker killed with SIGKILL cannot remove its containers; the parent
     reaps them as soon as it sees the death, while the run goes on."""
     rows = [{"prompt": f'@tool terminal {{"command": "sleep 60"}}\nDoomed {i}.', "image": BUSYBOX_IMAGE} for i in range(2)]
     rows += [{"prompt": f"@latency 3\nLater {i}.", "image": BUSYBOX_IMAGE} for i in range(2)]
@@ -236,7 +236,7 @@ def test_containers_of_a_killed_worker_are_removed_mid_run(client, model_server,
 
 
 def test_a_relative_row_cwd_is_refused_under_docker_naming_the_line(model_server, tmp_path, run_name):
-    """Issue 14 M3: a relative cwd passed, then every command failed 'Cwd must be an absolute path'."""
+    """A relative cwd passed, then every command failed 'Cwd must be an absolute path'."""
     rows = [{"prompt": "A.", "cwd": "/srv/ok"}] + [{"prompt": f"{cwd} row.", "cwd": cwd}
                                                     for cwd in ("rel/dir", "../..", " ", "~")]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)

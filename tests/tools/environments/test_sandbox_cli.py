@@ -65,7 +65,7 @@ def test_bwrap_without_bubblewrap_is_a_clear_error(model_server, tmp_path):
 
 
 def test_a_relative_row_cwd_is_refused_without_a_sandbox(model_server, tmp_path):
-    """Issue 14 M3: "../.." meant a folder relative to wherever the runner was started."""
+    """"../.." meant a folder relative to wherever the runner was started."""
     dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "A.", "cwd": str(tmp_path)}, {"prompt": "B.", "cwd": "../.."},
                                                  {"prompt": "C.", "cwd": "~"}])
     proc = run_cli(_args(dataset, model_server), tmp_path)
