@@ -15,6 +15,7 @@ that the parent died: its end reads end-of-file too, whatever killed the parent.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import threading
 import time
@@ -24,6 +25,7 @@ from multiprocessing.connection import wait
 
 from runner.input.config import RunConfig
 from runner.console import plural
+from runner.execution.group_signals import CANCEL_SIGNAL, spawning_shielded
 from runner.execution.task import Task
 from runner.execution.worker import failed_record, worker_main
 
@@ -77,7 +79,9 @@ class ProcessExecutor:
         # imports the worker code once, then forks every worker ready to run: one import of the
         # model SDK per run instead of one per process, and workers ready sooner.
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["runner.execution.worker", "agent.model_client", "openai"])
+        # shielded first: the fork server and its workers ignore a signal sent to the whole group.
+        self._ctx.set_forkserver_preload(["runner.execution.shielded", "runner.execution.worker",
+                                          "agent.model_client", "openai"])
         self.workers: list[_Worker] = []
         self._deaths = [DeathWindow(self.CRASH_LOOP_DEATHS, self.CRASH_LOOP_WINDOW) for _ in self.slot_plan]
         self.stop_reason: str | None = None  # set when workers keep dying: the run should stop
@@ -87,8 +91,9 @@ class ProcessExecutor:
         return f"{plural(sum(self.slot_plan), 'session')} on {plural(len(self.slot_plan), 'process', 'processes')}"
 
     def start(self) -> None:
-        for slot, sessions in enumerate(self.slot_plan):
-            self.workers.append(self._spawn(slot, sessions))
+        with spawning_shielded():  # the fork server starts with the first worker
+            for slot, sessions in enumerate(self.slot_plan):
+                self.workers.append(self._spawn(slot, sessions))
 
     def _spawn(self, slot: int, sessions: int) -> _Worker:
         ours, theirs = self._ctx.Pipe(duplex=True)
@@ -185,12 +190,12 @@ class ProcessExecutor:
         workers = [w for w in self.workers if w.process.is_alive()]
         for worker in workers:
             if abandon:
-                worker.process.terminate()  # SIGTERM: the worker cancels its sessions and cleans up
+                _cancel(worker)  # the worker cancels its sessions and cleans up
             else:
                 try:
                     worker.conn.send(None)
                 except OSError:
-                    worker.process.terminate()
+                    _cancel(worker)
         deadline = time.monotonic() + timeout
         while any(w.process.is_alive() for w in workers) and time.monotonic() < deadline:
             # Keep reading while they stop, so none waits on a full pipe (what comes now is not committed).
@@ -211,7 +216,16 @@ class ProcessExecutor:
         """Signal every worker to cancel its sessions and remove their sandboxes; do not wait."""
         for worker in self.workers:
             if worker.process.is_alive():
-                worker.process.terminate()
+                _cancel(worker)
+
+
+def _cancel(worker: _Worker) -> None:
+    """Ask one worker to cancel its sessions (removing their sandboxes) and exit. Not SIGTERM: the
+    workers ignore that one, since it also comes to the whole group from `timeout` or systemd."""
+    try:
+        os.kill(worker.process.pid, CANCEL_SIGNAL)
+    except ProcessLookupError:
+        pass
 
 
 def _clean_after_worker(config: RunConfig, tasks: list[Task], log) -> None:

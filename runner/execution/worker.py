@@ -25,6 +25,7 @@ from agent.loop import LoopConfig, run_conversation
 from agent.model_client import CallStats, ModelClient, RetryPolicy, SessionModel
 from agent.trajectory import extract_reasoning_stats, extract_tool_stats, normalise_tool_stats, to_sharegpt
 from agent.types import ProviderError
+from runner.execution.group_signals import CANCEL_SIGNAL, shield
 from runner.input.config import RunConfig
 from tools.environments.base import SandboxError, become_subreaper, kill_orphans
 from runner.storage.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, Usage, as_dict, dropped_lines, note_lines
@@ -215,7 +216,7 @@ def worker_main(worker_id: int, config: RunConfig, unavailable: dict, sessions: 
     ("log", text) go up. End-of-file on it means the parent died: the worker then cancels its
     sessions (which removes their sandboxes) and exits within HARD_EXIT_AFTER seconds.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides how to stop on Ctrl-C
+    shield()  # the parent decides how to stop, on Ctrl-C or a SIGTERM sent to the whole group
     _die_with_parent()
     become_subreaper()  # what commands detach (setsid, env -i) stays ours to kill
     try:
@@ -230,8 +231,9 @@ def _die_with_parent() -> None:
     Every forked worker inherits the write end of the fork server's "alive" pipe; the fork server
     exits only when all of them are closed, so as long as a worker holds one, a runner killed with
     SIGKILL leaves the fork server running, and the fork server keeps its workers. Closing our copy
-    leaves the runner as its only holder. PR_SET_PDEATHSIG then sends us SIGTERM when the fork
-    server (our parent) goes; the pipe to the runner is the main signal, this is the second one.
+    leaves the runner as its only holder. PR_SET_PDEATHSIG then sends us CANCEL_SIGNAL (SIGTERM is
+    ignored) when the fork server (our parent) goes; the pipe to the runner is the main signal,
+    this is the second one.
     """
     try:
         from multiprocessing import forkserver
@@ -246,7 +248,7 @@ def _die_with_parent() -> None:
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, CANCEL_SIGNAL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -305,7 +307,7 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
                 call_soon(parent_gone)
                 return
 
-    loop.add_signal_handler(signal.SIGTERM, stop_now)
+    loop.add_signal_handler(CANCEL_SIGNAL, stop_now)
     # Blocking work (sandbox start, commands, cleanup) runs in threads: one per session, so a
     # session never waits for another's thread (the default pool has only CPU count + 4).
     loop.set_default_executor(ThreadPoolExecutor(max_workers=sessions + 4, thread_name_prefix="abr-io"))
