@@ -66,16 +66,16 @@ def _row_tag(body: dict):
     return re.search(r"Slow row #\d+", text)
 
 
-def _check_graceful_stop(proc: subprocess.CompletedProcess | subprocess.Popen, err: str, run_dir: Path, server,
-                         started: set[str]) -> None:
+def _check_graceful_stop(proc: subprocess.Popen, err: str, run_dir: Path, server) -> None:
     assert proc.returncode == 130, err[-3000:]
     assert "worker process died" not in err and "Worker" not in err, err[-3000:]
     committed = _committed(run_dir)
     failed = [r for r in committed if r.get("failed")]
     assert not failed, [r["error"] for r in failed]
     done = {f"Slow row #{r['prompt_index']}" for r in committed}
-    # Every row that had started when the signal came finished and was committed.
-    assert started <= done, (started, done)
+    # No row starts after the signal, so every row the server saw had started before it: each
+    # finished within the grace period and was committed.
+    assert _started_rows(server) == done
     stats = json.loads((run_dir / "statistics.json").read_text())
     assert stats["spend"]["all"]["requests"] >= 2 * len(done)
 
@@ -99,7 +99,6 @@ def test_kill_term_to_the_process_group_stops_the_run_gracefully(tmp_path, model
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert _wait_for(lambda: len(_started_rows(model_server)) >= 3, 90), "no row started"
-        started = _started_rows(model_server)
         os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as systemd or Slurm would
         _, err = proc.communicate(timeout=120)
     finally:
@@ -107,32 +106,28 @@ def test_kill_term_to_the_process_group_stops_the_run_gracefully(tmp_path, model
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    started = _started_rows(model_server) if not started else started
-    _check_graceful_stop(proc, err, tmp_path / "data" / "g", model_server, started)
+    _check_graceful_stop(proc, err, tmp_path / "data" / "g", model_server)
     assert len(_committed(tmp_path / "data" / "g")) < rows  # it stopped: not every row ran
     _resume_runs_the_rest_once(dataset, model_server, tmp_path, rows)
 
 
 @pytest.mark.skipif(not os.path.exists("/usr/bin/timeout"), reason="GNU timeout is not installed")
 def test_gnu_timeout_stops_the_run_gracefully(tmp_path, model_server):
-    rows = 12
+    rows = 24  # about 24 s of work on 3 sessions: timeout's signal comes in the middle
     dataset = write_jsonl(tmp_path / "d.jsonl", _rows(rows))
-    seen: set[str] = set()
     # timeout signals its whole process group (the runner, the fork server, the workers).
-    proc = subprocess.Popen(["timeout", "--preserve-status", "-s", "TERM", "9", *_command(dataset, model_server)],
+    proc = subprocess.Popen(["timeout", "--preserve-status", "-s", "TERM", "14", *_command(dataset, model_server)],
                             cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 9
-        while time.monotonic() < deadline and proc.poll() is None:  # the rows started before the signal
-            seen = _started_rows(model_server)
-            time.sleep(0.05)
         _, err = proc.communicate(timeout=120)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert seen, "no row started before timeout sent its signal; " + err[-2000:]
-    _check_graceful_stop(proc, err, tmp_path / "data" / "g", model_server, seen)
+    if not _started_rows(model_server):
+        pytest.skip("the machine was too slow: the signal came before the first row started")
+    _check_graceful_stop(proc, err, tmp_path / "data" / "g", model_server)
+    assert len(_committed(tmp_path / "data" / "g")) < rows
     _resume_runs_the_rest_once(dataset, model_server, tmp_path, rows)
