@@ -18,8 +18,8 @@ class PlainProgress:
     end up glued to the log lines around them. This has the same four methods the runner uses.
     """
 
-    def __init__(self, total: int, every: float = 10.0, out=None, clock=time.monotonic):
-        self.total, self.every, self.clock = total, every, clock
+    def __init__(self, total: int, every: float = 10.0, out=None, clock=time.monotonic, unit: str = "prompt"):
+        self.total, self.every, self.clock, self.unit = total, every, clock, unit
         self.out = out or sys.stderr
         self.done = 0
         self.postfix: dict = {}
@@ -48,14 +48,14 @@ class PlainProgress:
         counts = ", ".join(f"{k} {v}" for k, v in self.postfix.items())
         share = f" ({self.done / self.total:.0%})" if self.total else ""
         elapsed = self.clock() - self.started
-        print(f"⏳ {self.done:,} of {plural(self.total, 'prompt')} finished{share}"
+        print(f"⏳ {self.done:,} of {plural(self.total, self.unit)} finished{share}"
               + (f": {counts}" if counts else "") + f"; {elapsed:.0f}s elapsed", file=self.out, flush=True)
 
 
-def progress(total: int):
-    """A tqdm bar on a terminal, plain periodic lines anywhere else."""
+def progress(total: int, unit: str = "prompt", every: float = 10.0):
+    """A tqdm bar on a terminal, plain periodic lines (every `every` seconds) anywhere else."""
     if sys.stderr.isatty():
         from tqdm import tqdm
 
-        return tqdm(total=total, unit="prompt", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
-    return PlainProgress(total)
+        return tqdm(total=total, unit=unit, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+    return PlainProgress(total, every=every, unit=unit)

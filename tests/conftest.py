@@ -27,13 +27,14 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python batch_runner.py ARGS` in `cwd`, as a user would run it."""
+def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None,
+            script: str = "batch_runner.py") -> subprocess.CompletedProcess:
+    """`python batch_runner.py ARGS` (or another top-level `script`) in `cwd`, as a user would run it."""
     base = {k: v for k, v in os.environ.items() if k not in ("OPENROUTER_API_KEY", "OPENAI_API_KEY", "TERMINAL_ENV")}
     base["PYTHONPATH"] = str(REPO)
     base.update(env or {})
     return subprocess.run(
-        [sys.executable, str(REPO / "batch_runner.py"), *args],
+        [sys.executable, str(REPO / script), *args],
         cwd=cwd,
         env=base,
         capture_output=True,

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, Literal, Mapping
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 # Version of the record schema, in every row (metadata.schema_version) and in statistics.json.
 # 1: lines written before the version existed (read as well as they can be); 2: cost null when
@@ -214,6 +214,27 @@ def validate_record(record: dict | Record) -> Record:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise RecordError(f"a {outcome_of(record)} record does not fit its schema: {where}: {first['msg']}") from None
+
+
+_TURNS = TypeAdapter(list[Turn])
+
+
+def read_conversation(value: Any) -> list[dict]:
+    """A row's `conversations` checked against the Turn model (each turn a `from` and a `value`
+    text), as the row holds them; RecordError naming the first field at fault. A turn's other
+    keys (some ShareGPT files carry a `weight`) are left as they are."""
+    if not isinstance(value, list):
+        raise RecordError(f"conversations: must be a list of turns, not {type(value).__name__}")
+    for index, turn in enumerate(value):
+        if not isinstance(turn, dict):
+            raise RecordError(f"conversations.{index}: a turn must be an object with 'from' and 'value'")
+    try:
+        _TURNS.validate_python([{k: turn[k] for k in ("from", "value") if k in turn} for turn in value])
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]).replace("from_", "from")
+        raise RecordError(f"conversations.{where}: {first['msg']}") from None
+    return value
 
 
 def record_line(record: Record) -> bytes:

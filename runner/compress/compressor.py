@@ -1,0 +1,243 @@
+"""Compress the rows of JSONL files into a token budget, one file after the other.
+
+Every input row gives exactly one output row, in input order: a row without `conversations` as
+it was read, every other one with its `compression_metrics`, compressed only when a whole
+summary came back; a row whose summary failed is written as it was (never a placeholder) and
+counted. The rows that need a summary are sent `max_concurrent_requests` at a time; each finished
+one goes to the journal first, and the output file is written (atomically) once every row is
+decided, so an interrupted compression resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import orjson
+
+from agent.model_client import CallStats, ModelClient, RetryPolicy
+from runner.compress import metrics as m
+from runner.compress.journal import Entry, Journal
+from runner.compress.options import CompressOptions
+from runner.compress.plan import Region, choose_region, compressed_turns
+from runner.compress.rows import InputRow, read_rows, sample
+from runner.compress.summariser import Summariser, SummaryFailed
+from runner.compress.tokens import TokenCounter
+from runner.input import secrets
+
+ATTEMPTS = 4  # a summary request and 3 retries (the model client backs off between them)
+FATAL_FAILURES = ("auth", "quota", "connection")  # the endpoint cannot serve any row: stop
+
+
+@dataclass
+class Pending:
+    """A row over the budget with turns to summarise."""
+
+    index: int
+    row: InputRow
+    counts: list[int]
+    region: Region
+
+
+@dataclass
+class FileResult:
+    tally: m.FileTally
+    usage: list[dict] = field(default_factory=list)  # every summary attempt's spend, earlier invocations' too
+    stopped: str = ""  # "", interrupted or fatal: the output was not written, the journal is kept
+    message: str = ""
+
+
+class Compressor:
+    def __init__(self, options: CompressOptions, counter: TokenCounter, say: Callable[[str], None] = print):
+        self.options = options
+        self.counter = counter
+        self.say = say
+        self.stopping = ""
+        self.fatal_message = ""
+
+    # -- one row, decided without the model ------------------------------------------------
+
+    def _metrics(self, **values) -> dict:
+        return m.row_metrics(target=self.options.target_max_tokens, counter_name=self.counter.name,
+                             estimated=self.counter.estimated, **values)
+
+    def _line(self, row: InputRow, turns: list[dict], metrics: dict) -> bytes:
+        data = {**row.data, "conversations": turns}
+        data.pop("compression_metrics", None)  # a file compressed before: this run's figures replace them
+        data["compression_metrics"] = metrics
+        return secrets.redact_bytes(orjson.dumps(data))
+
+    def plan_row(self, index: int, row: InputRow) -> tuple[bytes, dict | None] | Pending:
+        """The output line and metrics of a row that needs no summary, else what to summarise."""
+        if row.turns is None:
+            return row.raw, None
+        options = self.options
+        counts = self.counter.count_many([turn["value"] for turn in row.turns])
+        total = sum(counts)
+        status = m.UNDER_LIMIT
+        if total > options.target_max_tokens:
+            region = choose_region([t["from"] for t in row.turns], counts, options.target_max_tokens,
+                                   options.summary_target_tokens, options.protect_last_n_turns)
+            if region is not None:
+                return Pending(index, row, counts, region)
+            status = m.NOTHING_TO_COMPRESS
+        n = len(row.turns)
+        metrics = self._metrics(status=status, tokens_before=total, tokens_after=total, turns_before=n, turns_after=n)
+        return self._line(row, row.turns, metrics), metrics
+
+    # -- one row, with the model ------------------------------------------------------------
+
+    async def _summarise(self, pending: Pending, summariser: Summariser) -> Entry:
+        row, region = pending.row, pending.region
+        stats = CallStats()
+        total, n = sum(pending.counts), len(row.turns)
+        failure = error = ""
+        try:
+            summary = await asyncio.wait_for(summariser.summarise(row.turns[region.start:region.end], stats),
+                                             self.options.per_trajectory_timeout)
+        except asyncio.TimeoutError:
+            failure, error = "timeout", f"no summary within --per_trajectory_timeout={self.options.per_trajectory_timeout:g}s"
+        except SummaryFailed as err:
+            failure, error = err.reason, secrets.redact(str(err))
+        usage = stats.as_dict()
+        if failure:
+            if failure in FATAL_FAILURES and not self.stopping:
+                self.stopping, self.fatal_message = "fatal", f"the summariser cannot serve the rows ({failure}): {error}"
+            metrics = self._metrics(status=m.FAILED, tokens_before=total, tokens_after=total, turns_before=n,
+                                    turns_after=n, failure=failure, error=error, usage=usage)
+            return Entry(pending.index, m.FAILED, usage, self._line(row, row.turns, metrics))
+        turns = compressed_turns(row.turns, region, summary)
+        after = sum(self.counter.count_many([turn["value"] for turn in turns]))
+        metrics = self._metrics(status=m.COMPRESSED, tokens_before=total, tokens_after=after, turns_before=n,
+                                turns_after=len(turns), turns_summarised=region.end - region.start,
+                                summary_tokens=self.counter.count(turns[region.start]["value"]), usage=usage)
+        return Entry(pending.index, m.COMPRESSED, usage, self._line(row, turns, metrics))
+
+    async def _summarise_all(self, pending: list[Pending], journal: Journal, on_done: Callable[[Entry], None]) -> None:
+        options = self.options
+        key = options.api_key.get_secret_value() if options.api_key else None
+        policy = RetryPolicy(max_attempts=ATTEMPTS, max_total_wait=options.per_trajectory_timeout,
+                             request_timeout=options.per_trajectory_timeout)
+        client = ModelClient(options.base_url, key, max_in_flight=options.max_concurrent_requests, policy=policy,
+                             prompt_caching="off")
+        summariser = Summariser(client, options.summary_model, options.summary_target_tokens)
+        queue = iter(pending)
+
+        async def worker() -> None:
+            for item in queue:  # one iterator shared by the workers: each row is taken once
+                if self.stopping:
+                    return
+                entry = await self._summarise(item, summariser)
+                journal.add(entry)  # committed before it is counted
+                on_done(entry)
+
+        loop = asyncio.get_running_loop()
+        workers = asyncio.gather(*(worker() for _ in range(min(options.max_concurrent_requests, len(pending)))))
+
+        def interrupt() -> None:
+            self.stopping = self.stopping or "interrupted"
+            workers.cancel()  # the rows in flight are not in the journal: --resume does them again
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, interrupt)
+        try:
+            await workers
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
+            await client.close()
+
+    # -- one file ---------------------------------------------------------------------------
+
+    def fingerprint(self, input_hash: str) -> dict:
+        return {"input_sha256": input_hash, **self.options.fingerprint_fields()}
+
+    def check_file(self, source: Path, target: Path) -> None:
+        """Raise InputError or JournalError for what would stop this file: before any request."""
+        _, input_hash = read_rows(source)
+        Journal.check(target, self.fingerprint(input_hash), self.options.resume)
+
+    def compress_file(self, source: Path, target: Path, bar) -> FileResult:
+        rows, input_hash = read_rows(source)
+        rows = sample(rows, self.options.sample_percent, self.options.seed)
+        result = FileResult(m.FileTally(str(source), str(target)))
+        journal = Journal.open(target, self.fingerprint(input_hash), self.options.resume)
+        result.usage.extend(journal.earlier_usage)
+        decided: dict[int, tuple[bytes, dict | None]] = {}
+        pending: list[Pending] = []
+        for index, row in enumerate(rows):
+            planned = self.plan_row(index, row)
+            if not isinstance(planned, Pending):
+                decided[index] = planned
+            elif journal.entries.get(index) and journal.entries[index].status == m.COMPRESSED:
+                decided[index] = _entry_output(journal.entries[index])
+                result.tally.resumed_rows += 1
+            else:
+                pending.append(planned)
+        if pending:
+            bar.total = (bar.total or 0) + len(pending)
+
+            def on_done(entry: Entry) -> None:
+                decided[entry.index] = _entry_output(entry)
+                result.usage.append(entry.usage)
+                bar.update(1)
+
+            asyncio.run(self._summarise_all(pending, journal, on_done))
+        journal.close()
+        if self.stopping:
+            result.stopped, result.message = self.stopping, self.fatal_message
+            return result
+        _write_atomically(target, (decided[index][0] for index in range(len(rows))))
+        for index in range(len(rows)):
+            result.tally.add(decided[index][1])
+        journal.remove()
+        return result
+
+
+def _entry_output(entry: Entry) -> tuple[bytes, dict]:
+    return entry.row, orjson.loads(entry.row)["compression_metrics"]
+
+
+def _write_atomically(path: Path, lines) -> None:
+    """The whole file or nothing: written beside it, fsynced, then renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(temporary, "wb") as handle:
+        for line in lines:
+            handle.write(line + b"\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+
+@dataclass
+class DryRunFile:
+    tally: m.FileTally
+    would_compress: list[tuple[InputRow, int, Region]] = field(default_factory=list)  # row, its tokens, the region
+    estimated_after: int = 0  # tokens once the regions are replaced by summaries of the target size
+
+
+def dry_run_file(compressor: Compressor, source: Path, target: Path) -> DryRunFile:
+    """What compress_file would do, from the token counts alone: no request, nothing written."""
+    rows, _ = read_rows(source)
+    rows = sample(rows, compressor.options.sample_percent, compressor.options.seed)
+    result = DryRunFile(m.FileTally(str(source), str(target)))
+    for index, row in enumerate(rows):
+        planned = compressor.plan_row(index, row)
+        if isinstance(planned, Pending):
+            total = sum(planned.counts)
+            result.would_compress.append((row, total, planned.region))
+            result.tally.rows += 1
+            result.tally.tokens_before += total
+            result.estimated_after += total - planned.region.tokens + compressor.options.summary_target_tokens
+        else:
+            result.tally.add(planned[1])
+            result.estimated_after += planned[1]["tokens_after"] if planned[1] else 0
+    return result

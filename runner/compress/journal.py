@@ -1,0 +1,119 @@
+"""What an unfinished compression has already paid for, kept on disk beside the output.
+
+`<output>.progress` starts with a header (the fingerprint of the input and of the options that
+change a row's output), then one line per row that needed a summary request: its index, its
+status (compressed or failed), what the request spent, and the output row. Each line is
+flushed and fsynced before the next row is counted, so a Ctrl-C or a SIGKILL loses at most the
+rows in flight; a torn last line (killed mid-write) is dropped when the journal is read.
+`--resume` keeps the compressed rows (never asked for again) and retries the failed ones; the
+journal is removed once the output is written whole.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+JOURNAL_SUFFIX = ".progress"
+
+
+class JournalError(ValueError):
+    """A journal that does not belong to this input and these options."""
+
+
+@dataclass
+class Entry:
+    index: int
+    status: str  # compressed | failed
+    usage: dict  # agent.model_client.CallStats.as_dict() of the row's requests
+    row: bytes  # the output line, without its newline
+
+
+@dataclass
+class Journal:
+    path: Path
+    entries: dict[int, Entry] = field(default_factory=dict)  # the latest entry of each row
+    earlier_usage: list[dict] = field(default_factory=list)  # every entry's usage, the replaced ones too
+    _handle: object = None
+
+    @staticmethod
+    def path_for(output: Path) -> Path:
+        return output.with_name(output.name + JOURNAL_SUFFIX)
+
+    @classmethod
+    def check(cls, output: Path, fingerprint: dict, resume: bool) -> None:
+        """JournalError when `open` would refuse; nothing is written."""
+        path = cls.path_for(output)
+        if path.exists():
+            journal = cls(path)
+            journal._refuse_unless(resume)
+            journal._read(fingerprint, repair=False)
+
+    def _refuse_unless(self, resume: bool) -> None:
+        if not resume:
+            done = sum(1 for line in self.path.read_bytes().splitlines()[1:] if line.strip())
+            raise JournalError(f"{self.path} holds an interrupted compression of this output ({done} rows done): run "
+                               "again with --resume to finish it without paying for those rows again, or delete it "
+                               "to start over")
+
+    @classmethod
+    def open(cls, output: Path, fingerprint: dict, resume: bool) -> Journal:
+        """The journal of `output`, started afresh or (resume) read back and checked."""
+        path = cls.path_for(output)
+        journal = cls(path)
+        if path.exists():
+            journal._refuse_unless(resume)
+            journal._read(fingerprint)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as handle:
+                handle.write(orjson.dumps({"fingerprint": fingerprint}) + b"\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+        journal._handle = open(path, "ab")
+        return journal
+
+    def _read(self, fingerprint: dict, repair: bool = True) -> None:
+        lines = self.path.read_bytes().split(b"\n")
+        try:
+            header = orjson.loads(lines[0])
+        except orjson.JSONDecodeError:
+            header = {}
+        saved = header.get("fingerprint") if isinstance(header, dict) else None
+        if saved != fingerprint:
+            changed = sorted(k for k in set(saved or {}) | set(fingerprint) if (saved or {}).get(k) != fingerprint.get(k))
+            raise JournalError(f"{self.path} was written for another input or other options ({', '.join(changed)} "
+                               "differ): give the same ones to --resume, or delete it to start over")
+        good = len(lines[0]) + 1
+        for line in lines[1:]:
+            try:
+                data = orjson.loads(line)
+                entry = Entry(int(data["index"]), str(data["status"]), dict(data["usage"]), orjson.dumps(data["row"]))
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                break  # a torn last line (killed mid-write): that row is simply done again
+            self.entries[entry.index] = entry
+            self.earlier_usage.append(entry.usage)
+            good += len(line) + 1
+        if repair and good < len(b"\n".join(lines)):
+            with open(self.path, "r+b") as handle:  # appending after a torn line would glue two lines
+                handle.truncate(good)
+
+    def add(self, entry: Entry) -> None:
+        line = orjson.dumps({"index": entry.index, "status": entry.status, "usage": entry.usage,
+                             "row": orjson.Fragment(entry.row)})
+        self._handle.write(line + b"\n")
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self.entries[entry.index] = entry
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)

@@ -1,0 +1,77 @@
+"""The input: a JSONL file or a directory of them, read into rows whose `conversations` (when
+they have one) are checked by the record model; bad input is named by file, line and field."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from runner.storage.records import RecordError, read_conversation
+
+
+class InputError(ValueError):
+    """Bad input: one line naming the file, the line and the field."""
+
+
+@dataclass
+class InputRow:
+    line: int  # 1-based line of the input file
+    raw: bytes  # the line as read (a row without conversations is written back as it is)
+    data: dict
+    turns: list[dict] | None  # the validated conversations; None: the row has none
+
+
+def input_pairs(input_path: str, output: str | None) -> list[tuple[Path, Path]]:
+    """(input file, output file) for a file, or for each *.jsonl of a directory."""
+    source = Path(input_path)
+    if source.is_dir():
+        target = Path(output) if output else source.with_name(source.name + "_compressed")
+        files = sorted(source.glob("*.jsonl"))
+        if not files:
+            raise InputError(f"--input={input_path}: the directory holds no *.jsonl file")
+        if target.resolve() == source.resolve():
+            raise InputError("--output must not be the input directory")
+        return [(file, target / file.name) for file in files]
+    if not source.is_file():
+        raise InputError(f"--input={input_path}: no such file or directory")
+    target = Path(output) if output else source.with_name(f"{source.stem}_compressed.jsonl")
+    if target.exists() and target.resolve() == source.resolve():
+        raise InputError("--output must not be the input file")
+    return [(source, target)]
+
+
+def read_rows(path: Path) -> tuple[list[InputRow], str]:
+    """The rows of one JSONL file (blank lines skipped) and the hash of its bytes."""
+    data = path.read_bytes()
+    rows = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        raw = raw.rstrip(b"\r")
+        if not raw.strip():
+            continue
+        try:
+            row = orjson.loads(raw)
+        except orjson.JSONDecodeError as err:
+            raise InputError(f"{path} line {number}: not valid JSON ({err})") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{path} line {number}: a row must be a JSON object")
+        turns = None
+        if "conversations" in row:
+            try:
+                turns = read_conversation(row["conversations"])
+            except RecordError as err:
+                raise InputError(f"{path} line {number}: {err}") from None
+        rows.append(InputRow(number, raw, row, turns))
+    return rows, hashlib.sha256(data).hexdigest()
+
+
+def sample(rows: list[InputRow], percent: float | None, seed: int) -> list[InputRow]:
+    """--sample_percent: that share of the rows, drawn with --seed, kept in input order."""
+    if percent is None or percent >= 100:
+        return rows
+    count = max(1, round(len(rows) * percent / 100)) if rows else 0
+    chosen = sorted(random.Random(seed).sample(range(len(rows)), count))
+    return [rows[i] for i in chosen]
