@@ -17,10 +17,26 @@ interrupted (--resume finishes without paying again for the rows already summari
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+
+def _interrupted_before_the_requests(signum, frame):
+    """Ctrl-C / SIGTERM while starting (imports, checks, the re-exec that takes the key out): no
+    request was sent, so leave at once, without a traceback and without raising inside an import."""
+    os.write(2, "\n⏹️  Interrupted.\n".encode())
+    os._exit(130)  # EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":  # first thing, as batch_runner.py does
+    for _signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signum, _interrupted_before_the_requests)
+    # The re-exec (runner/input/secrets.py) blocks both signals across execve: unblock them here.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+
 import inspect
 import json
-import os
-import sys
 import time
 from pathlib import Path
 

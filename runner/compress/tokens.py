@@ -53,7 +53,8 @@ def load_counter(spec: str) -> TokenCounter:
         raise TokenizerError(f"--tokenizer={spec} needs the tokenizers package: pip install -e '.[compress]' "
                              f"(or --tokenizer={ESTIMATE} to estimate tokens as characters / 4)") from None
     path = Path(os.path.expanduser(spec))
-    if path.is_dir() or path.is_file() or spec.startswith((".", "/", "~")):
+    # A hub name is `name` or `owner/name`; anything else that looks like a path is one.
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.endswith("/") or spec.count("/") > 1:
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise TokenizerError(f"--tokenizer={spec}: no tokenizer.json there (a Hugging Face fast tokenizer "

@@ -1,0 +1,113 @@
+"""An interrupted compression (Ctrl-C, SIGKILL) finishes with --resume, without asking again for
+a row already summarised, through the real command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SECRET_KEY, read_jsonl, write_jsonl
+from tests.helpers.compress_fixtures import trajectory, write_tokenizer
+from tests.helpers.model_server import ModelServer, Reply, chat_completion
+
+ROWS = 8
+
+
+def slow_summaries(body, state):
+    return Reply(body=chat_completion(body, "The agent worked through its tools."), latency=0.7)
+
+
+def start(work: Path, server: ModelServer, *extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENROUTER_API_KEY", "OPENAI_API_KEY")}
+    env["PYTHONPATH"] = str(REPO)
+    args = ["--input=runs.jsonl", "--tokenizer=tok", "--target_max_tokens=500", "--summary_target_tokens=50",
+            f"--base_url={server.base_url}", "--summary_model=s", f"--api_key={SECRET_KEY}",
+            "--max_concurrent_requests=2", *extra]
+    return subprocess.Popen([sys.executable, str(REPO / "trajectory_compressor.py"), *args], cwd=work, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def journal_rows(work: Path) -> list[dict]:
+    path = work / "runs_compressed.jsonl.progress"
+    if not path.exists():
+        return []
+    lines = path.read_bytes().split(b"\n")[1:]
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+
+
+@pytest.fixture
+def work(tmp_path):
+    write_tokenizer(tmp_path / "tok")
+    write_jsonl(tmp_path / "runs.jsonl", [trajectory(10, 50, f"r{i}") for i in range(ROWS)])
+    return tmp_path
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_an_interrupted_compression_resumes_without_paying_twice(work, how):
+    with ModelServer(policy=slow_summaries) as server:
+        process = start(work, server)
+        deadline = time.monotonic() + 60
+        while len(journal_rows(work)) < 2 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert len(journal_rows(work)) >= 2, process.communicate(timeout=30)
+        process.send_signal(how)
+        out, err = process.communicate(timeout=60)
+        if how == signal.SIGINT:
+            assert process.returncode == 130, err
+            assert "--resume" in err
+        assert not (work / "runs_compressed.jsonl").exists()  # only whole outputs are written
+        done = {row["index"] for row in journal_rows(work) if row["status"] == "compressed"}
+        first_requests = server.count()
+
+        refused = start(work, server)  # without --resume: refused, nothing sent
+        _, refusal = refused.communicate(timeout=60)
+        assert refused.returncode == 1 and "--resume" in refusal and server.count() == first_requests
+
+        resumed = start(work, server, "--resume")
+        out, err = resumed.communicate(timeout=120)
+        assert resumed.returncode == 0, err
+        asked_again = [r for r in server.requests[first_requests:]]
+    assert len(asked_again) == ROWS - len(done)
+    for request in asked_again:  # none of them for a row already in the journal
+        assert not any(f"r{i} " in json.dumps(request.body) for i in done)
+    output = read_jsonl(work / "runs_compressed.jsonl")
+    assert [r["metadata"]["row_key"] for r in output] == [f"r{i}" for i in range(ROWS)]
+    assert all(r["compression_metrics"]["status"] == "compressed" for r in output)
+    metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
+    assert metrics["rows_resumed"] == len(done)
+    assert metrics["summariser"]["requests"] >= first_requests  # the earlier invocation's spend counts too
+    assert not (work / "runs_compressed.jsonl.progress").exists()
+
+
+def test_a_torn_last_journal_line_is_dropped_and_that_row_done_again(work):
+    with ModelServer(policy=slow_summaries) as server:
+        process = start(work, server)
+        deadline = time.monotonic() + 60
+        while len(journal_rows(work)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        process.kill()
+        process.wait(timeout=30)
+        journal = work / "runs_compressed.jsonl.progress"
+        whole = journal.read_bytes()
+        last = whole.rstrip(b"\n").split(b"\n")[-1]
+        journal.write_bytes(whole + last[: len(last) // 2])  # killed in the middle of writing a row
+        kept = {row["index"] for row in journal_rows(work)}
+        before = server.count()
+        resumed = start(work, server, "--resume")
+        _, err = resumed.communicate(timeout=120)
+        assert resumed.returncode == 0, err
+        assert server.count() - before == ROWS - len(kept)
+    assert [r["metadata"]["row_key"] for r in read_jsonl(work / "runs_compressed.jsonl")] == [f"r{i}" for i in range(ROWS)]
