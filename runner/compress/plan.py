@@ -1,7 +1,8 @@
 """Which turns of a conversation to summarise, and the conversation that replaces them.
 
 Protected: the first system, human, gpt and tool turns (the head, up to the last of them) and
-the last `protect_last_n_turns` turns. From the first turn after the head, turns are taken until
+the last `protect_last_n_turns` turns. From the first turn after the head (past the responses
+to a call made in the head), turns are taken until
 what they hold covers the excess plus the summary that replaces them. The region is then moved so
 that it never separates a tool call (a gpt turn) from its responses (the tool turns right after
 it): it never starts on a tool turn, and it never ends between a call and its responses.
@@ -38,13 +39,13 @@ def choose_region(roles: list[str], counts: list[int], target: int, summary_toke
     lower = head_end(roles)
     upper = max(lower, len(roles) - protect_last)  # the tail starts here
     needed = total - target + summary_tokens
-    end, taken = lower, 0
+    start = lower
+    while start < upper and roles[start] == "tool":  # its call is in the head: keep them together
+        start += 1
+    end, taken = start, 0
     while end < upper and taken < needed:
         taken += counts[end]
         end += 1
-    start = lower
-    while start < end and roles[start] == "tool":  # its call is in the head: keep them together
-        start += 1
     end = _keep_calls_whole(roles, start, end, upper)
     if end <= start:
         return None
