@@ -128,6 +128,13 @@ def main(
     max_cost: float = None,
     max_cost_hard: bool = None,
     max_cost_scope: str = None,
+    scorer: str = None,
+    pass_threshold: float = None,
+    verify_command: str = None,
+    verify_timeout: float = None,
+    judge_model: str = None,
+    judge_base_url: str = None,
+    judge_rubric: str = None,
 ):
     """Run a JSONL dataset of prompts through the agent (see README.md for every flag).
 
@@ -159,7 +166,9 @@ def main(
             sessions_per_node=sessions_per_node, report_samples=report_samples,
             price_input_per_mtok=price_input_per_mtok, price_output_per_mtok=price_output_per_mtok,
             price_cached_input_per_mtok=price_cached_input_per_mtok, max_cost=max_cost, max_cost_hard=max_cost_hard,
-            max_cost_scope=max_cost_scope,
+            max_cost_scope=max_cost_scope, scorer=scorer, pass_threshold=pass_threshold,
+            verify_command=verify_command, verify_timeout=verify_timeout, judge_model=judge_model,
+            judge_base_url=judge_base_url, judge_rubric=judge_rubric,
         )
         code = BatchRunner(config, resume=bool(resume), overwrite=bool(overwrite),
                            allow_config_change=bool(allow_config_change)).run()
@@ -264,7 +273,7 @@ TOOL_FLAGS = ("terminal_env", "docker_image", "sandbox", "keep_workdirs", "comma
 def build_config(*, api_key=None, providers_allowed=None, providers_ignored=None, providers_order=None,
                  provider_sort=None, reasoning_effort=None, reasoning_disabled=None, prefill_messages_file=None,
                  price_input_per_mtok=None, price_output_per_mtok=None, price_cached_input_per_mtok=None,
-                 max_cost=None, max_cost_hard=None, max_cost_scope=None, **fields: Any):
+                 max_cost=None, max_cost_hard=None, max_cost_scope=None, scorer=None, **fields: Any):
     """The flags as a validated RunConfig; a bad one raises UsageError with one clear line.
 
     `fields` are the flags named like a field of RunConfig or ToolSettings (TOOL_FLAGS): the models
@@ -276,8 +285,11 @@ def build_config(*, api_key=None, providers_allowed=None, providers_ignored=None
 
     tool_flags = {name: fields.pop(name, None) for name in TOOL_FLAGS}
     fields["ephemeral_system_prompt"] = fields.get("ephemeral_system_prompt") or None  # "" is none
+    from runner.scoring.scorers import scorer_names
+
     config = _validated(
         RunConfig, **fields, api_key=_api_key(api_key), prefill_messages_file=prefill_messages_file,
+        scorer=_checked(scorer_names, scorer),
         prefill_messages=_prefill(prefill_messages_file),
         provider=_checked(provider_preferences, _as_list(providers_allowed, "providers_allowed"),
                           _as_list(providers_ignored, "providers_ignored"), _as_list(providers_order, "providers_order"),
@@ -294,6 +306,7 @@ def build_config(*, api_key=None, providers_allowed=None, providers_ignored=None
                   "max_cost_hard": max_cost_hard, "max_cost_scope": max_cost_scope}
     config = config.model_copy(update=_checked(cost_options, cost_flags, config.model, config.base_url))
     _require_installed(config)
+    _checked(check_scoring, config)
     if config.reasoning:
         effort = config.reasoning["effort"]
         print("🧠 Reasoning: DISABLED (effort=none)" if effort == "none" else f"🧠 Reasoning effort: {effort}")
@@ -334,6 +347,24 @@ def _require_api_key(config) -> None:
             f"no API key for {config.base_url or 'the model endpoint'}: pass --api_key or set OPENROUTER_API_KEY "
             "(or OPENAI_API_KEY); for an offline try-out use --model=mock"
         )
+
+
+def check_scoring(config) -> None:
+    """The scorers can be used (known, importable) and have what they need; ValueError if not."""
+    from runner.scoring.scorers import resolve
+
+    for name in config.scorer:
+        resolve(name)
+    if "judge" in config.scorer:
+        if not config.judge_model:
+            raise ValueError("--scorer=judge needs --judge_model (the model that grades the answers)")
+        endpoint = config.judge_base_url or config.base_url
+        if not endpoint:
+            raise ValueError("--scorer=judge needs --judge_base_url: the run's model is the offline one, "
+                             "which cannot grade")
+        if not config.api_key and not _LOOPBACK.match(endpoint):
+            raise ValueError(f"no API key for the judge's endpoint {endpoint}: pass --api_key or set "
+                             "OPENROUTER_API_KEY (or OPENAI_API_KEY)")
 
 
 def _require_installed(config) -> None:
@@ -443,7 +474,7 @@ class BatchRunner:
         try:
             try:
                 scan = scan_dataset(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
-                                    cwd_error=self._cwd_rule())
+                                    cwd_error=self._cwd_rule(), row_error=self._row_rule())
             except DatasetError as err:
                 raise UsageError(str(err)) from None
             if scan.errors:
@@ -739,7 +770,7 @@ class BatchRunner:
             if os.stat(scan.path).st_mtime_ns == scan.mtime_ns and os.stat(scan.path).st_size == scan.size:
                 return scan
             fresh = scan_dataset(scan.path, self.config.max_samples, require_image=self._rows_need_image(),
-                                 cwd_error=self._cwd_rule())
+                                 cwd_error=self._cwd_rule(), row_error=self._row_rule())
         except (OSError, DatasetError) as err:
             self.log(f"⚠️  Could not read the dataset again ({err}); merging against it as it was at the start")
             return scan
@@ -794,7 +825,7 @@ class BatchRunner:
 
         config = self.config
         for row in iter_rows(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
-                             cwd_error=self._cwd_rule()):
+                             cwd_error=self._cwd_rule(), row_error=self._row_rule()):
             if not store.is_committed(row.key):
                 yield Task.of(row, attempt=store.failures(row.key) + 1, run_id=config.tools.run_id, seed=config.seed)
 
@@ -806,6 +837,12 @@ class BatchRunner:
 
         tools = self.config.tools
         return functools.partial(backend_class(tools.terminal_env).cwd_error, settings=tools)
+
+    def _row_rule(self):
+        """The scorers' rule for a row (a target, a verify command they need): a row it refuses is an invalid line."""
+        from runner.scoring.scorers import row_rule
+
+        return row_rule(self.config)
 
     def _rows_need_image(self) -> bool:
         """A row naming no image is invalid (found before any cost) when the backend says so and

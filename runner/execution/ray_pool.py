@@ -124,7 +124,7 @@ class NodeWorker:
             await asyncio.gather(*list(self.running), return_exceptions=True)
         if self.runtime is not None:
             try:
-                await self.runtime.client.close()
+                await self.runtime.close()
             except Exception:
                 pass
         if "tools.browser_tools" in sys.modules:

@@ -25,6 +25,10 @@ class Task:
     attempt: int  # 1 for a row's first attempt, +1 for each failed one before it
     task_id: str  # names this attempt's sandbox and containers: <run_id>-p<index>-a<attempt>
     seed: int  # the seed this row's toolset sample comes from
+    targets: tuple[str, ...] = ()  # what the scorers read: the row's target, verify and rubric fields
+    verify: str | None = None
+    rubric: str | None = None
+    line: bytes = b""  # the row's dataset line, for a Python scorer's `row`
 
     @classmethod
     def of(cls, row: Row, *, attempt: int, run_id: str, seed: int | None) -> Task:
@@ -33,4 +37,5 @@ class Task:
         the row, and recorded in its record all the same."""
         return cls(key=row.key, index=row.index, prompt=row.prompt, image=row.image, cwd=row.cwd, id=row.id,
                    attempt=attempt, task_id=f"{run_id}-p{row.index}-a{attempt}",
-                   seed=seed if seed is not None else random.randrange(2**31))
+                   seed=seed if seed is not None else random.randrange(2**31), targets=row.targets,
+                   verify=row.verify, rubric=row.rubric, line=row.line)

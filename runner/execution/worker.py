@@ -30,6 +30,8 @@ from runner.input.config import RunConfig
 from tools.environments.base import SandboxError, become_subreaper, kill_orphans
 from runner.storage.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, Usage, as_dict, dropped_lines, note_lines
 from runner.execution.task import Task
+from runner.scoring.sample import Sample
+from runner.scoring.scorers import ScoringContext, resolve, run_scorers
 from tools.registry import ToolContext, tools_for_toolsets
 from toolset_distributions import get_distribution, rng_for_row, sample_toolsets_from_distribution
 
@@ -55,11 +57,49 @@ class WorkerRuntime:
                 policy=RetryPolicy(request_timeout=config.request_timeout),
                 prompt_caching=config.prompt_caching,
             )
+        self.scorers = [resolve(name) for name in config.scorer]
+        self.judge_client = self._judge_client(sessions) if "judge" in config.scorer else None
         self.loop_config = LoopConfig(
             max_iterations=config.max_turns,
             ephemeral_system_prompt=config.ephemeral_system_prompt,
             prefill_messages=list(config.prefill_messages),
         )
+
+
+    def _judge_client(self, sessions: int) -> Any:
+        """The judge's endpoint: the run's own client when it is the same endpoint (one pace and
+        one cap on requests in flight for both), else a client of its own with the run's key."""
+        config = self.config
+        url = config.judge_base_url or config.base_url
+        if url == config.base_url and isinstance(self.client, ModelClient):
+            return self.client
+        return ModelClient(url, config.api_key.get_secret_value() if config.api_key else None, max_in_flight=sessions,
+                           policy=RetryPolicy(request_timeout=config.request_timeout))
+
+    async def close(self) -> None:
+        await self.client.close()
+        if self.judge_client is not None and self.judge_client is not self.client:
+            await self.judge_client.close()
+
+    async def score(self, task: Task, conversation: list[dict], session: SessionModel, env_of) -> list[dict]:
+        """metadata.scores of an ok sample. The judge's requests count in the sample's usage;
+        `env_of()` gives the sample's environment (started for the command scorer if the
+        session had none)."""
+        config = self.config
+        judge = None
+        if self.judge_client is not None:
+            judge = SessionModel(self.judge_client, config.judge_model, stats=session.stats)
+
+        def run_command(command: str, timeout: float | None):
+            return env_of().execute(command, timeout=timeout if timeout is not None else config.verify_timeout)
+
+        sample = Sample(prompt=task.prompt, conversation=conversation, metadata={"model": config.model,
+                        "row_key": task.key, "id": task.id, "attempt": task.attempt, "seed": task.seed},
+                        targets=task.targets, verify=task.verify, rubric=task.rubric, row_line=task.line,
+                        run_command=run_command)
+        context = ScoringContext(judge=judge, rubric=config.judge_rubric, verify_command=config.verify_command,
+                                 verify_timeout=config.verify_timeout)
+        return await run_scorers(self.scorers, sample, context, config.pass_threshold)
 
 
 def _metadata(task: Task, config: RunConfig, started: float | None, session: SessionModel | None,
@@ -160,6 +200,21 @@ async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
         raw_stats = extract_tool_stats(result.messages)
         tool_stats, tool_error_counts = normalise_tool_stats(raw_stats)
         reasoning_stats = extract_reasoning_stats(result.messages)
+        discard = config.discard_without_reasoning and reasoning_stats["turns_with_reasoning"] == 0
+        conversation = [] if discard else to_sharegpt(result.messages, task.prompt, tools)
+        scores = None
+        if runtime.scorers and not discard:  # before the environment is removed: a verify command sees it
+
+            def env_of():
+                nonlocal env
+                if env is None:  # the session ran no command: the verify command gets a fresh environment
+                    from tools.environments import create_environment
+
+                    env = create_environment(config.tools, task_id=task.task_id, image=task.image, cwd=task.cwd)
+                    env.start()
+                return env
+
+            scores = await runtime.score(task, conversation, session, env_of)
         metadata = _metadata(
             task,
             config,
@@ -168,6 +223,7 @@ async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
             stop_reason=result.error or ("turn_limit" if result.hit_turn_limit else "final_answer"),
             dropped_replies=dropped_lines(result.dropped_replies),
             loop_notes=note_lines(result.loop_notes),
+            scores=scores,
             **offered,
         )
         common = {
@@ -178,12 +234,12 @@ async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
             "tool_error_counts": tool_error_counts,
             "reasoning_stats": reasoning_stats,
         }
-        if config.discard_without_reasoning and reasoning_stats["turns_with_reasoning"] == 0:
+        if discard:
             return as_dict(DiscardedRecord(prompt_index=task.index, discarded="no_reasoning",
                                            prompt=task.prompt.strip(), **common))
         return as_dict(OkRecord(
             prompt_index=task.index,
-            conversations=to_sharegpt(result.messages, task.prompt, tools),
+            conversations=conversation,
             completed=result.completed,
             partial=result.partial,
             **common,
@@ -333,6 +389,6 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
         await asyncio.gather(*running, return_exceptions=True)
     outbox.put(None)
     await asyncio.to_thread(sender.join, 10.0)  # every result reaches the parent before we exit
-    await runtime.client.close()
+    await runtime.close()
     if "tools.browser_tools" in sys.modules:  # only if a session used the browser in this process
         await sys.modules["tools.browser_tools"].shutdown_browser()

@@ -50,6 +50,10 @@ FINGERPRINT_FIELDS = (
     "tool_backends",
 )
 
+# Options that change a sample's scores; fingerprinted only in a run that has scorers.
+SCORING_FINGERPRINT_FIELDS = ("scorer", "pass_threshold", "verify_command", "judge_model", "judge_rubric")
+
+
 def _check_run_name(value: str) -> str:
     if not value:
         raise ValueError("--run_name is required")
@@ -111,6 +115,15 @@ class RunConfig(BaseModel):
     max_cost: float | None = None  # USD budget (runner/execution/budget.py checks the cost flags)
     max_cost_hard: bool = False  # cancel rows in flight at the budget instead of letting them finish
     max_cost_scope: Literal["run", "invocation"] = "run"  # run: spend of earlier invocations counts; invocation: only this one
+    # Scoring (runner/scoring): the scorers by name, the first one primary; a sample's score
+    # passes at pass_threshold; the command scorer's command and time limit; the judge's model.
+    scorer: list[str] = Field(default_factory=list)
+    pass_threshold: StrictFloat = 1.0
+    verify_command: str | None = None
+    verify_timeout: StrictFloat = Field(default=120.0, gt=0)
+    judge_model: str | None = None
+    judge_base_url: str | None = None  # default: base_url
+    judge_rubric: str | None = None
     tool_schema_version: str = ""
     tools: ToolSettings = Field(default_factory=ToolSettings)
 
@@ -189,7 +202,10 @@ class RunConfig(BaseModel):
         return body or None
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in FINGERPRINT_FIELDS}
+        fields = {name: getattr(self, name) for name in FINGERPRINT_FIELDS}
+        if self.scorer:  # only then: the fingerprint of a run without scorers stays what it was
+            fields.update({name: getattr(self, name) for name in SCORING_FINGERPRINT_FIELDS})
+        return fields
 
     def fingerprint(self) -> str:
         blob = orjson.dumps(self.fingerprint_fields(), option=orjson.OPT_SORT_KEYS)

@@ -33,6 +33,11 @@ class DatasetRow(BaseModel):
     docker_image: StrictStr | None = None
     cwd: StrictStr | None = None
     id: StrictStr | StrictInt | None = None  # an integer id is carried as text ("7")
+    # What the scorers (--scorer) read: the expected answer(s), a shell command that checks the
+    # sample's environment, and what a judge model is told to look for.
+    target: StrictStr | list[StrictStr] | None = None
+    verify: StrictStr | None = None
+    rubric: StrictStr | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -40,6 +45,20 @@ class DatasetRow(BaseModel):
         if not value.strip():
             raise ValueError("must not be empty")
         return value
+
+    @field_validator("target")
+    @classmethod
+    def _target_not_blank(cls, value: str | list[str] | None) -> str | list[str] | None:
+        texts = [value] if isinstance(value, str) else value or []
+        if value is not None and (not texts or not all(text.strip() for text in texts)):
+            raise ValueError("must be a non-empty string or a non-empty list of non-empty strings")
+        return value
+
+    def targets(self) -> tuple[str, ...]:
+        """The target as a tuple of answers (empty when the row has none)."""
+        if self.target is None:
+            return ()
+        return (self.target,) if isinstance(self.target, str) else tuple(self.target)
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,10 @@ class Row:
     image: str | None
     cwd: str | None
     id: str  # the row's `id` as text ("" when it has none): one type in every output row
+    targets: tuple[str, ...] = ()  # the row's `target` (one or more expected answers)
+    verify: str | None = None  # the row's `verify` command
+    rubric: str | None = None  # the row's `rubric` for a judge
+    line: bytes = b""  # the row's line as written (a Python scorer gets it parsed, as `row`)
 
 
 @dataclass
@@ -82,7 +105,7 @@ def _describe(error: ValidationError) -> str:
     if kind == "missing":
         return f"missing '{where}' field"
     if kind.endswith("_type"):
-        wanted = "a string or an integer" if where == "id" else "a string"
+        wanted = {"id": "a string or an integer", "target": "a string or a list of strings"}.get(where, "a string")
         return f"'{where}' must be {wanted}, got {json_type(first.get('input'))}"
     return f"'{where}' {first['msg'].removeprefix('Value error, ')}"
 
@@ -121,6 +144,8 @@ def content_hash(prompt: str, image: str | None, cwd: str | None) -> str:
 
 _BOM = b"\xef\xbb\xbf"
 CwdRule = Callable[[str], "str | None"]  # a row's cwd -> why the backend cannot use it, or None
+# A row -> why the run cannot use it (a field its scorers need is missing), or None
+RowRule = Callable[[DatasetRow], "str | None"]
 NO_IMAGE = "no 'image' (or 'docker_image') field: --terminal_env=docker needs one per row, or pass --docker_image"
 
 
@@ -135,11 +160,13 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def _walk(
-    path: Path, max_samples: int | None, require_image: bool = False, cwd_error: CwdRule | None = None
+    path: Path, max_samples: int | None, require_image: bool = False, cwd_error: CwdRule | None = None,
+    row_error: RowRule | None = None,
 ) -> Iterator[tuple[int, bytes, DatasetRow | None, str | None, str | None]]:
     """(line_no, raw, row, error, key) for every non-blank line up to max_samples valid rows.
     With `require_image`, a row that names no image is invalid (it could only fail later);
-    `cwd_error` is the backend's rule for a row's cwd (Backend.cwd_error): a cwd it refuses is too."""
+    `cwd_error` is the backend's rule for a row's cwd (Backend.cwd_error): a cwd it refuses is too;
+    `row_error` the scorers' rule (a field they need)."""
     occurrences: dict[str, int] = {}
     valid = 0
     for line_no, raw in _lines(path):
@@ -147,6 +174,8 @@ def _walk(
         if row is not None and require_image and not (row.image or row.docker_image):
             row, error = None, NO_IMAGE
         if row is not None and row.cwd is not None and cwd_error and (problem := cwd_error(row.cwd)):
+            row, error = None, problem
+        if row is not None and row_error and (problem := row_error(row)):
             row, error = None, problem
         key = None
         if row is not None:
@@ -161,7 +190,8 @@ def _walk(
 
 
 def scan_dataset(
-    path: str | Path, max_samples: int | None = None, require_image: bool = False, cwd_error: CwdRule | None = None
+    path: str | Path, max_samples: int | None = None, require_image: bool = False, cwd_error: CwdRule | None = None,
+    row_error: RowRule | None = None,
 ) -> DatasetScan:
     """Validate the whole file. Raises DatasetError if it is missing or has no valid row.
     `require_image`: every row must name its container image (docker, no --docker_image)."""
@@ -170,7 +200,7 @@ def scan_dataset(
         raise DatasetError(f"Dataset file not found: {path}")
     stat = path.stat()
     scan = DatasetScan(path=path, mtime_ns=stat.st_mtime_ns, size=stat.st_size)
-    for line_no, _raw, row, error, key in _walk(path, max_samples, require_image, cwd_error):
+    for line_no, _raw, row, error, key in _walk(path, max_samples, require_image, cwd_error, row_error):
         if row is None:
             scan.errors.append((line_no, error or "invalid"))
             continue
@@ -186,11 +216,12 @@ def scan_dataset(
 
 
 def iter_rows(
-    path: str | Path, max_samples: int | None = None, require_image: bool = False, cwd_error: CwdRule | None = None
+    path: str | Path, max_samples: int | None = None, require_image: bool = False, cwd_error: CwdRule | None = None,
+    row_error: RowRule | None = None,
 ) -> Iterator[Row]:
     """The valid rows in file order (invalid lines are left out: scan_dataset reported them)."""
     index = 0
-    for _line_no, _raw, row, _error, key in _walk(Path(path), max_samples, require_image, cwd_error):
+    for _line_no, raw, row, _error, key in _walk(Path(path), max_samples, require_image, cwd_error, row_error):
         if row is None:
             continue
         yield Row(
@@ -200,5 +231,9 @@ def iter_rows(
             image=row.image or row.docker_image,
             cwd=row.cwd,
             id="" if row.id is None else str(row.id),
+            targets=row.targets(),
+            verify=row.verify,
+            rubric=row.rubric,
+            line=raw,
         )
         index += 1

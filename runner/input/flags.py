@@ -108,6 +108,13 @@ FLAGS: list[Flag] = _flags(
     ("max_cost", "none", "Budget in USD: no new row starts once spend (+ rows in flight) reaches it; exit 4."),
     ("max_cost_hard", "off", "At the budget, cancel the rows in flight instead of letting them finish."),
     ("max_cost_scope", CONFIG, "run: earlier invocations' spend counts against --max_cost; invocation: only this one."),
+    ("scorer", "none", "Comma list of scorers, the first primary: includes, exact, command, judge, path/to/file.py:function."),
+    ("pass_threshold", CONFIG, "A score passes when its value is at least this."),
+    ("verify_command", "the row's verify", "Shell command of the command scorer for every row (exit 0 passes)."),
+    ("verify_timeout", CONFIG, "Seconds a verify command (and each scorer but the judge) may take."),
+    ("judge_model", "", "Model of the judge scorer."),
+    ("judge_base_url", "--base_url", "OpenAI-compatible endpoint of the judge model."),
+    ("judge_rubric", "the row's rubric", "What the judge is told to look for, for every row."),
 )
 FLAG_NAMES = [flag.name for flag in FLAGS]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, Literal, Mapping
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, TypeAdapter, ValidationError, model_serializer
 
 # Version of the record schema, in every row (metadata.schema_version) and in statistics.json.
 # 1: lines written before the version existed (read as well as they can be); 2: cost null when
@@ -109,6 +109,18 @@ def model_entries(usage: Mapping[str, Any]) -> list[dict]:
     return []
 
 
+class ScoreEntry(_Model):
+    """What one scorer made of a sample (`metadata.scores`, one entry per scorer, the primary first).
+
+    Every field has one type in every line: a scorer that failed still has a value (0.0), a
+    passed flag (false) and an explanation that names its error."""
+
+    scorer: str  # its name as given to --scorer ("includes", "judge", "path/to/file.py:function")
+    value: float = Field(allow_inf_nan=False)
+    passed: bool  # value >= --pass_threshold (never for a scorer error)
+    explanation: str = ""
+
+
 class Metadata(_Model):
     # The original's three fields first, then ours.
     batch_num: int = -1  # set by the store when it commits the line
@@ -127,6 +139,16 @@ class Metadata(_Model):
     loop_notes: str = ""  # note_lines(): "after turn N: <note>" per line, "" when the loop sent none
     dropped_replies: str = ""  # dropped_lines(): "call N: <reason>" per line, "" when none was dropped
     schema_version: int = SCHEMA_VERSION
+    # What the run's scorers (--scorer) made of the sample; left out of the line when none ran, so
+    # the lines of a run without scorers stay as they were.
+    scores: list[ScoreEntry] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_scores(self, handler, info: SerializationInfo):
+        data = handler(self)
+        if data.get("scores") is None:
+            data.pop("scores", None)
+        return data
 
 
 class ToolCounts(_Model):

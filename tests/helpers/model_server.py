@@ -99,6 +99,11 @@ class Directives:
     empty: int = 0  # the first N replies have no content, no reasoning and no tool call
     cost: str | None = "0.0001"  # usage.cost of each reply; None: not reported
     cost_header: str | None = None  # x-litellm-response-cost of each reply
+    answer: str | None = None  # the final answer's text (default: "Final answer: <last tool result>")
+    answers: list[str] = field(default_factory=list)  # the n-th conversation of the prompt answers the n-th (cycling)
+    grade: str = "C"  # as a judge (a model named judge*): the grade it gives
+    grade_if: str | None = None  # as a judge: C when the graded answer contains this text, else I
+    grade_bad: int = 0  # as a judge: the first N replies have no GRADE line
 
 
 @dataclass
@@ -113,6 +118,8 @@ class ConversationState:
     bad_args_served: int = 0
     think_only_served: int = 0
     empty_served: int = 0
+    conversations: int = 0  # conversations started (first replies served)
+    grade_bad_served: int = 0
     bad_call_ids: set[str] = field(default_factory=set)  # ids that don't advance the script
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -171,6 +178,16 @@ def parse_directives(text: str) -> Directives:
             d.cost_header = args[0]
         elif name == "close":
             d.faults.append(Fault("close", _int(args, 0, 1)))
+        elif name == "answer":
+            d.answer = rest
+        elif name == "answers":
+            d.answers = [part.strip() for part in rest.split("|")]
+        elif name == "grade" and args:
+            d.grade = args[0]
+        elif name == "grade_if":
+            d.grade_if = rest
+        elif name == "grade_bad":
+            d.grade_bad = _int(args, 0, 1)
     return d
 
 
@@ -366,8 +383,11 @@ def scripted_policy(body: dict, state: ConversationState) -> Reply:
         return fault
 
     d = state.directives
+    if str(body.get("model") or "").startswith("judge"):
+        return judge_reply(body, state)
     messages = [m for m in body.get("messages") or () if isinstance(m, dict)]
     assistant_turns = [m for m in messages if m.get("role") == "assistant"]
+    conversation = _conversation_number(assistant_turns, state)
     if not body.get("tools") and any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         # As Anthropic-family providers do: a tool history needs its tool definitions.
         return error_reply(400, "messages contain tool calls but the request defines no tools")
@@ -412,7 +432,9 @@ def scripted_policy(body: dict, state: ConversationState) -> Reply:
     def call(name: str, args: str) -> dict:
         if d.control_chars:  # a literal newline / tab inside a JSON string, as real models send
             args = args.replace("\\n", "\n").replace("\\t", "\t")
-        return tool_call(name, args)
+        made = tool_call(name, args)
+        made["id"] = f"call_c{conversation}_{made['id'][5:]}"  # later turns know their conversation
+        return made
 
     with state.lock:
         first_reply = state.replies == 0
@@ -437,9 +459,46 @@ def scripted_policy(body: dict, state: ConversationState) -> Reply:
             state.think_only_served += 1
             return reply("<think>pondering</think>")
 
+    if d.answers:
+        return reply(d.answers[conversation % len(d.answers)])
+    if d.answer is not None:
+        return reply(d.answer)
     tool_results = [m for m in messages if m.get("role") == "tool"]
     answer = message_text(tool_results[-1])[:200] if tool_results else "no tools used"
     return reply(f"Final answer: {answer}")
+
+
+_CONVERSATION_ID = re.compile(r"^call_c(\d+)_")
+
+
+def _conversation_number(assistant_turns: list[dict], state: ConversationState) -> int:
+    """Which conversation of its prompt a request belongs to (0, 1, ...): a new one when it has no
+    model turn yet, else the one its first tool call's id names."""
+    for message in assistant_turns:
+        for call in message.get("tool_calls") or ():
+            match = _CONVERSATION_ID.match(str(call.get("id") or ""))
+            if match:
+                return int(match.group(1))
+    with state.lock:
+        if assistant_turns:
+            return max(0, state.conversations - 1)
+        state.conversations += 1
+        return state.conversations - 1
+
+
+def judge_reply(body: dict, state: ConversationState) -> Reply:
+    """As a judge model: a short verdict ending in a GRADE line (see the grade directives)."""
+    d = state.directives
+    with state.lock:
+        bad = state.grade_bad_served < d.grade_bad
+        state.grade_bad_served += bad
+    if bad:
+        return Reply(body=chat_completion(body, "I cannot decide."))
+    grade = d.grade
+    if d.grade_if is not None:
+        graded = first_user_text(body).rpartition("[Answer to grade]")[2]
+        grade = "C" if d.grade_if.lower() in graded.lower() else "I"
+    return Reply(body=chat_completion(body, f"The answer was read against the task.\nGRADE: {grade}"))
 
 
 # --------------------------------------------------------------------------- #

@@ -30,7 +30,7 @@ def test_task_is_frozen_and_carries_no_failure(tmp_path):
         task.prompt = "other"  # type: ignore[misc]
     # A row that cannot run (its image cannot be had) fails in the parent: no task field says so.
     assert {f.name for f in dataclasses.fields(Task)} == {"key", "index", "prompt", "image", "cwd", "id", "attempt",
-                                                           "task_id", "seed"}
+                                                           "task_id", "seed", "targets", "verify", "rubric", "line"}
 
 
 def test_task_crosses_processes_unchanged(tmp_path):

@@ -152,7 +152,7 @@ def test_each_default_is_defined_once_on_its_config_field():
     from runner.input.config import RunConfig, flag_default
     from runner.input.flags import CONFIG
 
-    switches = {"resume", "list_distributions", "report", "overwrite", "allow_config_change"}
+    switches = {"resume", "list_distributions", "report", "overwrite", "allow_config_change", "rescore"}
     for name, param in inspect.signature(batch_runner.main).parameters.items():
         assert param.default is (False if name in switches else None), name
     for flag in FLAGS:
