@@ -932,11 +932,14 @@ class BatchRunner:
         from agent.model_client import probe_endpoint
 
         config = self.config
-        if config.model == "mock" or not config.base_url:
-            return
-        problem = probe_endpoint(config.base_url, config.api_key.get_secret_value() if config.api_key else None)
-        if problem:
-            raise UsageError(f"{problem}; nothing was started")
+        key = config.api_key.get_secret_value() if config.api_key else None
+        endpoints = [] if config.model == "mock" or not config.base_url else [config.base_url]
+        if "judge" in config.scorer and config.judge_base_url and config.judge_base_url not in endpoints:
+            endpoints.append(config.judge_base_url)  # the judge's own endpoint (--judge_base_url)
+        for endpoint in endpoints:
+            problem = probe_endpoint(endpoint, key)
+            if problem:
+                raise UsageError(f"{problem}; nothing was started")
 
     def _repeated_failure(self, cls: str | None, error: str) -> str | None:
         """Why the run must stop when the same failure comes back row after row, else None: every
