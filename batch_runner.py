@@ -818,16 +818,22 @@ class BatchRunner:
             print(f"⚠️  No toolset of --distribution={self.config.distribution} can offer a tool in this run: "
                   "every row runs without tools (toolsets_used and metadata.tools_offered are empty)")
 
-    def _tasks(self, store):
-        """The rows still to run, each as the task of its next attempt."""
-        from runner.input.dataset import iter_rows
+    def _tasks(self, store, scan):
+        """The rows still to run, each as the task of its next attempt. A dataset rewritten under
+        the run ends them (with a message): reading on could start a row a second time."""
+        from runner.input.dataset import DatasetChanged, iter_rows
         from runner.execution.task import Task
 
         config = self.config
-        for row in iter_rows(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
-                             cwd_error=self._cwd_rule(), row_error=self._row_rule()):
-            if not store.is_committed(row.key):
-                yield Task.of(row, attempt=store.failures(row.key) + 1, run_id=config.tools.run_id, seed=config.seed)
+        rows = iter_rows(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
+                         cwd_error=self._cwd_rule(), row_error=self._row_rule(), scanned=scan.key_to_index)
+        try:
+            for row in rows:
+                if not store.is_committed(row.key):
+                    yield Task.of(row, attempt=store.failures(row.key) + 1, run_id=config.tools.run_id, seed=config.seed)
+        except DatasetChanged as err:
+            self.log(f"⚠️  {err}: no more rows are read from it. The rows in flight finish; "
+                     "run again with --resume for the rest.")
 
     def _cwd_rule(self):
         """The backend's rule for a row's cwd (Backend.cwd_error): a row it refuses is an invalid line."""
@@ -873,7 +879,7 @@ class BatchRunner:
         counts = {"ok": 0, "failed": 0, "discarded": 0, "retries": 0}
         self._phase = "dispatch"
         print(f"\n🚀 Running {plural(remaining, 'prompt')}: {executor.describe()}\n")
-        tasks = self._tasks(store)
+        tasks = self._tasks(store, scan)
         exhausted = False
         committed = 0
         grace_deadline = None

@@ -23,6 +23,10 @@ class DatasetError(Exception):
     """The dataset cannot be used; the message names the file (and lines) at fault."""
 
 
+class DatasetChanged(DatasetError):
+    """The file no longer reads as it did when it was scanned: rewritten or edited in place."""
+
+
 class DatasetRow(BaseModel):
     """One line of the input. Unknown fields are allowed and ignored (an `id` is carried along)."""
 
@@ -217,13 +221,22 @@ def scan_dataset(
 
 def iter_rows(
     path: str | Path, max_samples: int | None = None, require_image: bool = False, cwd_error: CwdRule | None = None,
-    row_error: RowRule | None = None,
+    row_error: RowRule | None = None, scanned: dict[str, int] | None = None,
 ) -> Iterator[Row]:
-    """The valid rows in file order (invalid lines are left out: scan_dataset reported them)."""
+    """The valid rows in file order (invalid lines are left out: scan_dataset reported them).
+
+    `scanned` is the scan's row key -> index. The file is read again lazily, so it may have been
+    rewritten under the open handle since the scan, which would then yield rows it already yielded
+    (under a new occurrence number) or rows out of place. Every row must therefore be the one the
+    scan found at its position, or a new row after the scanned ones (rows appended meanwhile);
+    anything else raises DatasetChanged before the row is yielded."""
     index = 0
-    for _line_no, raw, row, _error, key in _walk(Path(path), max_samples, require_image, cwd_error, row_error):
+    for line_no, raw, row, _error, key in _walk(Path(path), max_samples, require_image, cwd_error, row_error):
         if row is None:
             continue
+        if scanned is not None and scanned.get(key, index if index >= len(scanned) else -1) != index:
+            raise DatasetChanged(f"{path}:{line_no}: the file changed during the run (this line is not the row "
+                                 f"that was there when the run started)")
         yield Row(
             index=index,
             key=key,
