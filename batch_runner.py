@@ -201,7 +201,9 @@ def _report_only(output_dir: Any, run_name: Any, report_samples: Any) -> int:
 
     options = _validated(ReportOptions, output_dir=output_dir, run_name=run_name or "", report_samples=report_samples)
     run_dir = Path(options.output_dir) / options.run_name
-    if not (run_dir / "config.json").exists():
+    from runner.storage.runfiles import has_config
+
+    if not has_config(run_dir):
         raise UsageError(f"{run_dir} holds no run (no config.json)")
     lock = RunLock(run_dir)
     try:
@@ -592,34 +594,27 @@ class BatchRunner:
     def _settle_seed(self) -> None:
         """Without --seed, the run's seed is drawn once and recorded in config.json, so every row
         records the seed its sample came from and a resume samples with the same one."""
-        import json
         import secrets
+
+        from runner.storage.runfiles import read_config
 
         if self.config.seed is not None:
             return
         saved = None
-        if self.resume:
-            try:
-                recorded = json.loads((self.run_dir / "config.json").read_text())["config"]
-                saved = recorded.get("seed") if recorded.get("seed_drawn") else None
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                saved = None
+        recorded = read_config(self.run_dir) if self.resume else None
+        if recorded is not None and recorded.setting("seed_drawn"):
+            saved = recorded.setting("seed")
         self.config.seed = saved if isinstance(saved, int) else secrets.randbelow(2**31)
         self.config.seed_drawn = True
 
     def _check_fingerprint(self) -> None:
-        import json
-
         from runner.input.config import diff_fingerprints
+        from runner.storage.runfiles import read_config
 
-        path = self.run_dir / "config.json"
-        if not path.exists():
+        recorded = read_config(self.run_dir)
+        if recorded is None:
             return
-        try:
-            saved = json.loads(path.read_text()).get("fingerprint_fields") or {}
-        except (OSError, ValueError, AttributeError):
-            return
-        changed = diff_fingerprints(saved, self.config.fingerprint_fields())
+        changed = diff_fingerprints(recorded.fingerprint_fields, self.config.fingerprint_fields())
         if changed and not self.allow_config_change:
             raise UsageError(
                 f"--resume with a different configuration ({', '.join(changed)} changed since the rows in "
@@ -629,33 +624,23 @@ class BatchRunner:
             print(f"⚠️  Configuration changed ({', '.join(changed)}); continuing because of --allow_config_change")
 
     def _write_config(self) -> None:
-        import json
         from datetime import datetime
 
-        from runner.storage.store import atomic_write_json
+        from runner.storage.runfiles import ConfigFile, Invocation, read_config, write_config
 
-        path = self.run_dir / "config.json"
-        created, invocations = None, []
-        if path.exists() and not self.overwrite:
-            try:
-                saved = json.loads(path.read_text())
-                created, invocations = saved.get("created_at"), list(saved.get("invocations") or [])
-            except (OSError, ValueError, AttributeError, TypeError):
-                pass
+        saved = None if self.overwrite else read_config(self.run_dir)
+        created, invocations = (saved.created_at, saved.invocations) if saved is not None else (None, [])
         # Each invocation's start and end: the run's duration is the time spent running, summed.
-        invocations.append({"run_id": self.config.tools.run_id, "started_at": self.started_at, "ended_at": None})
-        atomic_write_json(
-            path,
-            {
-                "config": self.config.public_dict(),
-                "fingerprint": self.config.fingerprint(),
-                "fingerprint_fields": self.config.fingerprint_fields(),
-                "run_id": self.config.tools.run_id,
-                "created_at": created or datetime.now().isoformat(),
-                "updated_at": datetime.now().isoformat(),
-                "invocations": invocations,
-            },
-        )
+        invocations.append(Invocation(run_id=self.config.tools.run_id, started_at=self.started_at, ended_at=None))
+        write_config(self.run_dir, ConfigFile(
+            config=self.config.public_dict(),
+            fingerprint=self.config.fingerprint(),
+            fingerprint_fields=self.config.fingerprint_fields(),
+            run_id=self.config.tools.run_id,
+            created_at=created or datetime.now().isoformat(),
+            updated_at=datetime.now().isoformat(),
+            invocations=invocations,
+        ))
 
     def _run_locked(self, scan, store, executor, unavailable: dict[str, str]) -> int:
         from runner.output.finalize import build_statistics, merge_run, print_summary, record_invocation_end, run_time, write_statistics
@@ -753,10 +738,8 @@ class BatchRunner:
 
         config = self.config
         # the scope decides what the budget counts; only a budget counts unknown costs at the mean
-        spend = LiveSpend(scope=config.max_cost_scope, estimate_unknown=config.max_cost is not None)
-        before = store.spent()  # what earlier invocations committed, kept by the run view
-        spend.known_cost_before, spend.known_attempts_before, spend.unknown_attempts_before = (
-            before.cost, before.priced, before.unpriced)
+        spend = LiveSpend(scope=config.max_cost_scope, estimate_unknown=config.max_cost is not None,
+                          before=store.spent())  # what earlier invocations committed, kept by the run view
         kept = sum(1 for key in scan.key_to_index if store.outcome(key) == "ok")
         budget = Budget(config.max_cost, config.max_cost_hard, spend) if config.max_cost is not None else None
         return RunMonitor(self.run_dir, config.run_name, total_rows=scan.rows, finished_before=done, kept_before=kept,
@@ -961,12 +944,13 @@ class BatchRunner:
         return None
 
     def _after_commit(self, records: list[dict], counts: dict) -> None:
+        from runner.storage.records import fields_of
         from runner.storage.store import record_outcome
 
         for record in records:
             outcome = record_outcome(record)
             counts[outcome] += 1
-            counts["retries"] += int(record["metadata"].get("usage", {}).get("retries") or 0)
+            counts["retries"] += fields_of(record).usage.retries
             index = record["prompt_index"]
             repeated = self._repeated_failure(record.get("error_class") if outcome == "failed" else None,
                                               record.get("error") or "")

@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 
 from agent.pricing import Prices, request_cost
+from agent.usage import Usage
 from agent.types import ModelReply, ProviderError
 
 _QUOTA_CODES = ("insufficient_quota", "insufficient_credits", "billing_hard_limit_reached")
@@ -109,61 +110,14 @@ class RequestPacer:
 
 
 @dataclass
-class CallStats:
-    """What one row spent: summed over every model request of the session (tools' too), and per model."""
+class CallStats(Usage):
+    """What one row's session spent (agent.usage.Usage), priced from the user's prices where a
+    reply reported no cost."""
 
-    requests: int = 0
-    retries: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    reasoning_tokens: int = 0
-    cached_tokens: int = 0
-    total_tokens: int = 0
-    cost: float = 0.0  # the known costs (a lower bound once unpriced_requests > 0)
-    unpriced_requests: int = 0  # replies whose cost is unknown (none reported, no price given)
-    # model -> {requests, prompt_tokens, completion_tokens, cached_tokens, cost, unpriced_requests}:
-    # the run's model and the models tools call (mixture_of_agents, vision), each with its own figures.
-    by_model: dict[str, dict] = field(default_factory=dict)
-    prices: Prices | None = field(default=None, repr=False)  # for replies without a reported cost
-
-    def count_request(self, model: str) -> None:
-        self.requests += 1
-        self._model(model)["requests"] += 1
+    prices: Prices | None = field(default=None, repr=False, compare=False)
 
     def add_usage(self, usage: dict, model: str | None = None) -> None:
-        self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-        self.completion_tokens += int(usage.get("completion_tokens") or 0)
-        self.reasoning_tokens += int(usage.get("reasoning_tokens") or 0)
-        self.cached_tokens += int(usage.get("cached_tokens") or 0)
-        self.total_tokens += int(usage.get("total_tokens") or 0)
-        cost = request_cost(usage, self.prices)
-        if cost is None:
-            self.unpriced_requests += 1
-        else:
-            self.cost += cost
-        if model is not None:
-            entry = self._model(model)
-            for key in ("prompt_tokens", "completion_tokens", "cached_tokens"):
-                entry[key] += int(usage.get(key) or 0)
-            if cost is None:
-                entry["unpriced_requests"] += 1
-            else:
-                entry["cost"] += cost
-
-    def _model(self, model: str) -> dict:
-        entry = self.by_model.get(model)
-        if entry is None:
-            entry = self.by_model[model] = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0,
-                                            "cached_tokens": 0, "cost": 0.0, "unpriced_requests": 0}
-        return entry
-
-    def as_dict(self) -> dict:
-        """The row's `usage` (runner.storage.records.Usage): by_model as a list sorted by model, so its
-        schema is the same whatever models a run used."""
-        data = {k: v for k, v in self.__dict__.items() if k not in ("prices", "by_model")}
-        data["cost"] = round(self.cost, 8)
-        data["by_model"] = [{"model": m, **e, "cost": round(e["cost"], 8)} for m, e in sorted(self.by_model.items())]
-        return data
+        self.add_reply(usage, request_cost(usage, self.prices), model)
 
 
 def parse_duration(text: str) -> float | None:

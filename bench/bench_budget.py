@@ -37,7 +37,8 @@ import orjson  # noqa: E402
 from agent.model_client import CallStats  # noqa: E402
 from agent.pricing import Prices  # noqa: E402
 from runner.execution.budget import Budget  # noqa: E402
-from runner.output.spend_view import SpendTally  # noqa: E402
+from agent.usage import Spend, Usage  # noqa: E402
+from runner.storage.spendtally import SpendTally  # noqa: E402
 from runner.output.status import LiveSpend, RunMonitor  # noqa: E402
 
 TARGET_MS = 1.0
@@ -109,7 +110,7 @@ def parent_side(usages: list[dict], run_dir: Path) -> tuple[float, int, int]:
 
 def status_write_cost(run_dir: Path, rounds: int = 200) -> float:
     """CPU seconds of one status.json rewrite (snapshot, JSON, temp file, fsync, rename)."""
-    spend = LiveSpend(known_cost=12.3, known_attempts=5000, cost_squares=0.05, duration=5000.0, timed_attempts=5000)
+    spend = LiveSpend(now=Spend(Usage(cost=12.3), attempts=5000, priced=5000, cost_squares=0.05, duration_seconds=5000.0))
     monitor = RunMonitor(run_dir, "bench", total_rows=100_000, finished_before=4000, kept_before=3900, to_run=96_000,
                          spend=spend, budget=None, log=lambda text: None)
     monitor.counts["ok"] = 1000
@@ -140,7 +141,8 @@ def merge_side(usages: list[dict]) -> float:
     tally = SpendTally()
     start = time.process_time()
     for i, usage in enumerate(usages):
-        tally.add("kept" if i % 10 else "failed", f"k{i}", f"2026-12-01T10:{i // 3600 % 60:02d}:{i % 60:02d}.123456", usage)
+        tally.add("kept" if i % 10 else "failed", f"k{i}", f"2026-12-01T10:{i // 3600 % 60:02d}:{i % 60:02d}.123456",
+                  Usage.read(usage))
     tally.models(), tally.retried(lambda key: True), tally.curve()
     return time.process_time() - start
 

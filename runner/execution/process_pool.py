@@ -28,6 +28,7 @@ from runner.console import plural
 from runner.execution.group_signals import CANCEL_SIGNAL, spawning_shielded
 from runner.execution.task import Task
 from runner.execution.worker import failed_record, worker_main
+from runner.storage.records import row_key_of
 
 
 @dataclass
@@ -146,7 +147,7 @@ class ProcessExecutor:
                 worker.broken = True
                 return
             if kind == "result":
-                worker.in_flight.pop(payload["metadata"]["row_key"], None)
+                worker.in_flight.pop(row_key_of(payload), None)
                 if records is not None:
                     records.append(payload)
             elif kind == "log":

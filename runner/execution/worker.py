@@ -28,7 +28,7 @@ from agent.types import ProviderError
 from runner.execution.group_signals import CANCEL_SIGNAL, shield
 from runner.input.config import RunConfig
 from tools.environments.base import SandboxError, become_subreaper, kill_orphans
-from runner.storage.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, Usage, as_dict, dropped_lines, note_lines
+from runner.storage.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, UsageRecord, as_dict, dropped_lines, note_lines
 from runner.execution.task import Task
 from runner.scoring.sample import Sample
 from runner.scoring.scorers import ScoringContext, resolve, run_scorers
@@ -113,7 +113,7 @@ def _metadata(task: Task, config: RunConfig, started: float | None, session: Ses
         run_id=config.tools.run_id,
         attempt=task.attempt,
         duration_seconds=round(time.monotonic() - started, 3) if started is not None else 0.0,
-        usage=Usage.of(stats.as_dict()) if stats else Usage(),
+        usage=UsageRecord.of(stats) if stats else UsageRecord(),
         seed=task.seed,
         **extra,
     )

@@ -6,7 +6,7 @@ or already-finished run gets the same files. `merge_run` reads the batch files o
 line); trajectories.jsonl holds exactly one line per dataset row whose outcome is ok, ordered by
 its current prompt_index, and is written atomically. Winning lines are copied as they are, unless
 the dataset changed what the row carries besides its identity (its position, its id): those few
-lines are re-serialised with the current values. `build_statistics` turns the same view into
+lines are re-serialised with the current values. statistics.py turns the same view into
 statistics.json, which report.html embeds, so the two always show the same counts.
 """
 
@@ -19,11 +19,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from runner.storage.records import SCHEMA_VERSION
-from runner.storage.runview import OK_RANK, TOKEN_KEYS, Detail, RunView, parse_time, read_run
-from runner.storage.store import atomic_write_json, batch_files, keep_mode
+from runner.output.report import report_details, write_report
+from runner.output.statistics import build_statistics, dataset_of, run_time, statistics_of, tool_statistics  # noqa: F401
+from runner.storage import runfiles
+from runner.storage.records import relocated_line
+from runner.storage.runfiles import Invocation, write_statistics  # noqa: F401 (callers take them from here)
+from runner.storage.runview import OK_RANK, Detail, RunView, read_run
+from runner.storage.store import batch_files, keep_mode
 
 
 def merge_run(run_dir: Path, key_to_index: Mapping[str, int], log=print, *, ids: Mapping[str, str] | None = None,
@@ -46,9 +48,7 @@ def rebuild_outputs(run_dir: Path, *, max_full_conversations: int, log=print) ->
     """`--report`: the end of a run again, nothing run. trajectories.jsonl, statistics.json and
     report.html are rebuilt together from the batch files and the dataset config.json names, so
     they agree with each other and with the dataset as it is now. The caller holds the run lock."""
-    from runner.output.report import dataset_of, report_details, run_config, statistics_of, write_report
-
-    config = run_config(run_dir)[1]
+    config = (runfiles.read_config(run_dir) or runfiles.ConfigFile()).config
     dataset, ids = dataset_of(config)
     if dataset is None:
         raise RebuildError(
@@ -72,10 +72,7 @@ def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None
                 if winner.prompt_index != index or winner.row_id != row_id:
                     # The dataset was edited: the row keeps its identity but gets its current
                     # position and id (a row appended or moved, an id changed alone).
-                    record = orjson.loads(line)
-                    record["prompt_index"] = index
-                    record["metadata"]["id"] = row_id
-                    line = orjson.dumps(record) + b"\n"
+                    line = relocated_line(line, index, row_id)
                 out.write(line)  # committed lines were serialised by the store: copy them as they are
             out.flush()
             os.fsync(out.fileno())
@@ -89,111 +86,9 @@ def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None
             handle.close()
 
 
-def tool_statistics(tool_stats: dict[str, dict[str, int]]) -> dict[str, dict]:
-    out = {}
-    for name in sorted(tool_stats):
-        s = tool_stats[name]
-        answered = s["success"] + s["failure"]
-        out[name] = {
-            **s,
-            "success_rate": round(s["success"] / answered * 100, 2) if answered else 0.0,
-            "failure_rate": round(s["failure"] / answered * 100, 2) if answered else 0.0,
-        }
-    return out
-
-
-def record_invocation_end(run_dir: Path, run_id: str) -> list[dict]:
+def record_invocation_end(run_dir: Path, run_id: str) -> list[Invocation]:
     """Stamp the end of this invocation in config.json; returns every invocation recorded there."""
-    path = run_dir / "config.json"
-    try:
-        saved = orjson.loads(path.read_bytes())
-    except (OSError, orjson.JSONDecodeError):
-        return []
-    invocations = saved.get("invocations") if isinstance(saved, dict) else None
-    if not isinstance(invocations, list):
-        return []
-    for item in invocations:
-        if isinstance(item, dict) and item.get("run_id") == run_id:
-            item["ended_at"] = datetime.now().isoformat()
-    atomic_write_json(path, saved)
-    return [item for item in invocations if isinstance(item, dict)]
-
-
-def run_time(invocations: list[dict], view: RunView, current_run_id: str | None = None) -> dict:
-    """Time the run spent running, over every invocation: each invocation's recorded start to its
-    recorded end; one that never recorded its end (it was killed) ends at its last committed line;
-    the current one ends now. Runs older than the invocations list fall back on line timestamps."""
-    now = datetime.now().timestamp()
-    spans = []
-    for item in invocations:
-        start = parse_time(item.get("started_at"))
-        if start is None:
-            continue
-        end = parse_time(item.get("ended_at"))
-        if item.get("run_id") == current_run_id:
-            end = now
-        elif end is None:
-            last = view.spans.get(item.get("run_id"))
-            end = max(start, last[1]) if last else start
-        spans.append((start, end))
-    known = {item.get("run_id") for item in invocations}
-    spans += [(s, e) for run_id, (s, e, _n) in view.spans.items() if run_id not in known]
-    if not spans:
-        return {"running_seconds": 0.0, "first_started_at": None, "last_ended_at": None, "invocations": 0}
-    return {
-        "running_seconds": round(sum(e - s for s, e in spans), 2),
-        "first_started_at": datetime.fromtimestamp(min(s for s, _ in spans)).isoformat(timespec="seconds"),
-        "last_ended_at": datetime.fromtimestamp(max(e for _, e in spans)).isoformat(timespec="seconds"),
-        "invocations": len(spans),
-    }
-
-
-def build_statistics(view: RunView, *, run_name: str, distribution: str, total_prompts: int, batch_size: int,
-                     model: str, run_time: dict, rows_this_run: int, fingerprint: str) -> dict:
-    """statistics.json: the original's keys first (tool and reasoning figures over the kept rows,
-    as it counts them), then ours. Every count comes from the view; report.html embeds this dict."""
-    counts = view.counts()
-    spend = {name: bucket.as_dict() for name, bucket in view.spend.items()}
-    total = view.total_spend().as_dict()
-    return {
-        "run_name": run_name,
-        "distribution": distribution,
-        "total_prompts": total_prompts,
-        "total_batches": len(view.files),
-        "batch_size": batch_size,
-        "model": model,
-        "completed_at": datetime.now().isoformat(),
-        "duration_seconds": run_time["running_seconds"],
-        "tool_statistics": tool_statistics(view.kept.tool_stats),
-        "reasoning_statistics": view.kept.reasoning,
-        "discarded_no_reasoning": counts["outcomes"]["discarded"],
-        "schema_version": SCHEMA_VERSION,
-        "outcomes": counts["outcomes"],
-        "failed_by_class": counts["failed_by_class"],
-        "retried_rows": counts["retried_rows"],
-        # Spend of every committed attempt (kept, discarded, failed), all invocations.
-        "tokens": {k: total[k] for k in TOKEN_KEYS},
-        "cost": total["cost"],  # null: unknown (an endpoint reported no cost), never a guessed 0
-        "cache_hit_ratio": total["cache_hit_ratio"],  # cached / prompt tokens
-        "requests": total["requests"],
-        "retries": total["retries"],
-        "api_calls": view.kept.api_calls,  # model calls in the kept trajectories (the rows' api_calls)
-        "spend": {"all": total, **spend},
-        # Not parts of "spend" (they overlap it): spend by model (the run's and the tools' models),
-        # and the part of "failed" spent on attempts whose row a later attempt finished.
-        "spend_by_model": view.cost.models() if view.cost is not None else {},
-        "spend_retried": view.cost.retried(view.is_committed) if view.cost is not None else None,
-        "run_time": run_time,
-        "rows_this_run": rows_this_run,
-        "stale_rows": len(view.stale),
-        "unreadable_lines": view.unreadable,
-        "fingerprint": fingerprint,
-    }
-
-
-def write_statistics(run_dir: Path, stats: dict) -> dict:
-    atomic_write_json(run_dir / "statistics.json", stats)
-    return stats
+    return runfiles.record_invocation_end(run_dir, run_id, datetime.now().isoformat())
 
 
 def print_summary(stats: dict, run_dir: Path, out=print, headline: str = "BATCH PROCESSING COMPLETE") -> None:

@@ -37,7 +37,9 @@ from typing import Any, Callable
 
 import orjson
 
-from runner.storage.records import LineFields, dropped_lines, note_lines
+from runner.output.statistics import dataset_of, statistics_of
+from runner.storage.records import LineFields, dropped_lines, note_lines, read_line
+from runner.storage.runfiles import ConfigFile, read_config, read_statistics
 from runner.storage.runview import Detail, RowEntry, RunView, parse_time, read_run
 from runner.output.spend_view import read_invocations
 from runner.storage.store import batch_files, keep_mode
@@ -144,7 +146,6 @@ def _strings(value: Any) -> tuple[str, ...] | None:
 def _make_row(fields: LineFields, entry: RowEntry) -> _Row:
     """The report's view of a row's winning line (the run view calls this while it reads)."""
     record = fields.raw
-    metadata = record["metadata"]
     outcome = fields.outcome
     tools = turns = reasoning = toolsets = None
     if outcome == "failed":
@@ -169,7 +170,7 @@ def _make_row(fields: LineFields, entry: RowEntry) -> _Row:
         ts=parse_time(fields.timestamp),
         duration=fields.duration,
         toolsets=toolsets,
-        sampled=(_strings(metadata.get("toolsets_sampled")) or toolsets) if toolsets is not None else None,
+        sampled=(_strings(fields.meta.toolsets_sampled) or toolsets) if toolsets is not None else None,
         tools=tools, tool_calls=None if tools is None else sum(c[0] for c in tools.values()),
         turns=turns, reasoning=reasoning,
         completed=bool(record.get("completed")),
@@ -182,59 +183,6 @@ def report_details() -> Detail:
     return _make_row
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        value = orjson.loads(path.read_bytes())
-    except (OSError, orjson.JSONDecodeError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def run_config(run_dir: Path) -> tuple[dict, dict]:
-    """config.json of a run and its "config" part ({} for what cannot be read)."""
-    config_file = _read_json(run_dir / "config.json") or {}
-    config = config_file.get("config") if isinstance(config_file.get("config"), dict) else {}
-    return config_file, config
-
-
-def dataset_of(config: dict) -> tuple[dict[str, int] | None, dict[str, str]]:
-    """The rows of the dataset config.json names, as it is now (None, {} when it cannot be read)."""
-    from runner.input.dataset import DatasetError, scan_dataset
-
-    name = config.get("dataset_file")
-    if not isinstance(name, str) or not Path(name).is_file():
-        return None, {}
-    try:
-        scan = scan_dataset(name, config.get("max_samples"))
-    except (OSError, DatasetError):
-        return None, {}
-    return scan.key_to_index, scan.ids
-
-
-def statistics_of(run_dir: Path, view: RunView) -> dict:
-    """statistics.json for a view read outside a run (`--report`), with the settings config.json
-    (or else the last statistics.json) names; rows_this_run stays the last invocation's."""
-    from runner.output.finalize import build_statistics, run_time
-
-    config_file, config = run_config(run_dir)
-    statistics = _read_json(run_dir / "statistics.json") or {}
-    dataset = view.dataset
-    invocations = config_file.get("invocations") if isinstance(config_file.get("invocations"), list) else []
-    stats = build_statistics(
-        view, run_name=str(config.get("run_name") or statistics.get("run_name") or run_dir.name),
-        distribution=str(config.get("distribution") or statistics.get("distribution") or ""),
-        total_prompts=len(dataset) if dataset is not None else len(view.rows),
-        batch_size=_int(config.get("batch_size") or statistics.get("batch_size")),
-        model=str(config.get("model") or statistics.get("model") or ""),
-        run_time=run_time([i for i in invocations if isinstance(i, dict)], view),
-        rows_this_run=_int(statistics.get("rows_this_run")), fingerprint=str(config_file.get("fingerprint") or ""),
-    )
-    if dataset is None:
-        stats["total_prompts"] = None
-        stats["outcomes"]["not_run"] = None
-    return stats
-
-
 def read_view(run_dir: Path, dataset: dict[str, int] | None = None, ids: dict[str, str] | None = None,
               log=lambda _: None) -> tuple[RunView, dict]:
     """The run view and its statistics, as the runner's merge makes them, against `dataset` or
@@ -242,7 +190,7 @@ def read_view(run_dir: Path, dataset: dict[str, int] | None = None, ids: dict[st
     "not run" is unknown). Writes nothing: the CLI's `--report` rebuilds statistics.json and
     trajectories.jsonl too (runner.output.finalize.rebuild_outputs)."""
     if dataset is None:
-        dataset, ids = dataset_of(run_config(run_dir)[1])
+        dataset, ids = dataset_of((read_config(run_dir) or ConfigFile()).config)
     files = batch_files(run_dir) if run_dir.is_dir() else []
     view = read_run(files, RunView(dataset, ids=ids, detail=_make_row, log=log))
     return view, statistics_of(run_dir, view)
@@ -318,9 +266,11 @@ def _report_rows(view: RunView) -> list[_Row]:
 
 def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> dict:
     """What the page shows: the counts of `stats` (statistics.json) and the charts over `rows`."""
-    config_file, config = run_config(run_dir)
+    config_file = read_config(run_dir) or ConfigFile()
+    config = config_file.config
     stats_path = run_dir / "statistics.json"
-    saved = _read_json(stats_path)
+    saved_file = read_statistics(run_dir)
+    saved = saved_file.data if saved_file is not None else None
 
     # Rows that called each tool (the chart's tooltip); the counts themselves are statistics.json's.
     rows_using: Counter[str] = Counter()
@@ -371,11 +321,11 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
         "generated_at": datetime.now().isoformat(timespec="seconds"),
         "model": stats.get("model") or config.get("model"),
         "distribution": distribution,
-        "fingerprint": config_file.get("fingerprint") or stats.get("fingerprint"),
-        "fingerprint_fields": config_file.get("fingerprint_fields") or {},
+        "fingerprint": config_file.fingerprint or stats.get("fingerprint"),
+        "fingerprint_fields": config_file.fingerprint_fields,
         "config": config,
-        "created_at": config_file.get("created_at"),
-        "updated_at": config_file.get("updated_at"),
+        "created_at": config_file.created_at,
+        "updated_at": config_file.updated_at,
         "rows": len(rows),
         "total_prompts": stats["total_prompts"],
         # Counts: statistics.json's, never the page's own.
@@ -524,9 +474,9 @@ class _Clipper:
         return clip
 
 
-def _full_entry(record: dict, row: _Row, files: list[Path], clipper: _Clipper, systems: dict[str, int]) -> dict:
+def _full_entry(fields: LineFields, row: _Row, files: list[Path], clipper: _Clipper, systems: dict[str, int]) -> dict:
     clip = clipper.conversation()
-    metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    record, metadata = fields.raw, fields.meta
     turns = []
     for turn in record.get("conversations") or ():
         if not isinstance(turn, dict):
@@ -537,17 +487,18 @@ def _full_entry(record: dict, row: _Row, files: list[Path], clipper: _Clipper, s
             turns.append([role, None, systems.setdefault(value, len(systems))])
         else:
             turns.append([role, clip(value if value is not None else "")])
-    meta = {k: metadata.get(k) for k in ("row_key", "timestamp", "attempt", "duration_seconds", "model",
-                                          "stop_reason", "seed", "run_id") if metadata.get(k) is not None}
+    present = metadata.present()
+    meta = {k: present[k] for k in ("row_key", "timestamp", "attempt", "duration_seconds", "model",
+                                    "stop_reason", "seed", "run_id") if present.get(k) is not None}
     meta["id"] = row.row_id  # the current dataset's (the run view's), not the committed one
     meta["file"] = f"{files[row.file_no].name}:{row.line_no}"
-    if isinstance(metadata.get("usage"), dict):
-        meta["usage"] = metadata["usage"]
+    if isinstance(present.get("usage"), dict):
+        meta["usage"] = present["usage"]  # as committed
     for name in ("tools_offered", "toolsets_sampled"):
-        if isinstance(metadata.get(name), list) and metadata[name]:
-            meta[name] = metadata[name]
+        if isinstance(present.get(name), list) and present[name]:
+            meta[name] = present[name]
     for name, as_text in (("loop_notes", note_lines), ("dropped_replies", dropped_lines)):
-        value = metadata.get(name)
+        value = present.get(name)
         if isinstance(value, list):  # schema 2 lines kept them as lists of objects
             value = as_text([item for item in value if isinstance(item, dict)])
         if isinstance(value, str) and value:
@@ -579,11 +530,10 @@ def _load_full(files: list[Path], rows: list[_Row], chosen: list[int]) -> tuple[
             row = rows[pos]
             handle = handles.get(row.file_no) or handles.setdefault(row.file_no, open(files[row.file_no], "rb"))
             handle.seek(row.entry.offset)
-            try:
-                record = orjson.loads(handle.read(row.entry.length))
-            except orjson.JSONDecodeError:
+            fields = read_line(handle.read(row.entry.length))
+            if fields is None:
                 continue
-            full[str(pos)] = _full_entry(record, row, files, clipper, systems)
+            full[str(pos)] = _full_entry(fields, row, files, clipper, systems)
     finally:
         for handle in handles.values():
             handle.close()

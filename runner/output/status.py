@@ -16,13 +16,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import orjson
 
-from runner.storage.records import known_cost
+from agent.usage import Spend, Usage
+from runner.storage.records import fields_of
+from runner.storage.runfiles import append_status_history, write_status
 
 STATUS_VERSION = 1
 Z95 = 1.96  # two-sided 95 % normal quantile
@@ -30,50 +31,42 @@ Z95 = 1.96  # two-sided 95 % normal quantile
 
 @dataclass
 class LiveSpend:
-    """Committed spend in attempts; `*_before` come from earlier invocations of the run."""
+    """Committed spend, counted in attempts that made model requests: `before` is what earlier
+    invocations of the run committed, `now` this invocation."""
 
     scope: str = "run"  # run | invocation: what `budget_cost` covers
     # Under a budget, attempts without a cost count at the mean attempt cost in every total (and
     # the figures say they are an estimate); without one, a total with such attempts is unknown.
     estimate_unknown: bool = False
-    known_cost_before: float = 0.0
-    known_attempts_before: int = 0  # attempts that reached the model and have a known cost
-    unknown_attempts_before: int = 0  # attempts that reached the model with no known cost
-    known_cost: float = 0.0  # this invocation
-    known_attempts: int = 0
-    unknown_attempts: int = 0
-    cost_squares: float = 0.0  # sum of squared known attempt costs (this invocation), for the spread
-    duration: float = 0.0  # summed duration of this invocation's attempts that reached the model
-    timed_attempts: int = 0
+    before: Spend = field(default_factory=Spend)
+    now: Spend = field(default_factory=Spend)
 
-    def add(self, usage: dict, duration: float) -> None:
-        if not int(usage.get("requests") or 0):
+    def add(self, usage: Usage, duration: float) -> None:
+        if not usage.requests:
             return  # nothing was asked of a model (e.g. its image was missing): nothing spent
-        self.duration += duration
-        self.timed_attempts += 1
-        cost = known_cost(usage)
-        if cost is None:
-            self.unknown_attempts += 1
-        else:
-            self.known_cost += cost
-            self.known_attempts += 1
-            self.cost_squares += cost * cost
+        self.now.add(usage, duration)
+
+    @property
+    def known_attempts(self) -> int:
+        """This invocation's attempts with a known cost."""
+        return self.now.priced
 
     def mean_attempt_cost(self) -> float | None:
-        attempts = self.known_attempts + self.known_attempts_before
-        return (self.known_cost + self.known_cost_before) / attempts if attempts else None
+        attempts = self.now.priced + self.before.priced
+        return (self.now.known_cost + self.before.known_cost) / attempts if attempts else None
 
     def mean_attempt_duration(self) -> float | None:
-        return self.duration / self.timed_attempts if self.timed_attempts else None
+        attempts = self.now.spent_attempts
+        return self.now.duration_seconds / attempts if attempts else None
 
     @property
     def estimated_attempts(self) -> int:
         """Attempts of the whole run without a known cost (under a budget: counted at the mean)."""
-        return self.unknown_attempts + self.unknown_attempts_before
+        return self.now.unpriced + self.before.unpriced
 
     def _total(self, before: bool, estimate: bool) -> float | None:
-        known = self.known_cost + (self.known_cost_before if before else 0.0)
-        unknown = self.unknown_attempts + (self.unknown_attempts_before if before else 0)
+        known = self.now.known_cost + (self.before.known_cost if before else 0.0)
+        unknown = self.now.unpriced + (self.before.unpriced if before else 0)
         if not unknown:
             return known
         mean = self.mean_attempt_cost() if estimate else None
@@ -86,7 +79,7 @@ class LiveSpend:
 
     def known_total(self) -> float:
         """The known part of the run's spend: a lower bound when some attempts have no cost."""
-        return self.known_cost + self.known_cost_before
+        return self.now.known_cost + self.before.known_cost
 
     @property
     def is_estimate(self) -> bool:
@@ -103,11 +96,11 @@ class LiveSpend:
 
     def attempt_spread(self) -> float | None:
         """Standard deviation of this invocation's known attempt costs (None below 2 attempts)."""
-        n = self.known_attempts
+        n = self.now.priced
         if n < 2:
             return None
-        mean = self.known_cost / n
-        return math.sqrt(max(0.0, (self.cost_squares - n * mean * mean) / (n - 1)))
+        mean = self.now.known_cost / n
+        return math.sqrt(max(0.0, (self.now.cost_squares - n * mean * mean) / (n - 1)))
 
 
 @dataclass(frozen=True)
@@ -196,15 +189,12 @@ class RunMonitor:
             self.budget.on_start(task.key)
 
     def on_commit(self, records: list[dict]) -> None:
-        from runner.storage.store import record_outcome
-
         for record in records:
-            metadata = record.get("metadata") or {}
-            usage = metadata.get("usage") or {}
-            self.spend.add(usage, float(metadata.get("duration_seconds") or 0.0))
-            self.counts[record_outcome(record)] += 1
-            if self.budget is not None and metadata.get("row_key") in self.budget.started:
-                self.budget.on_commit(metadata["row_key"])
+            fields = fields_of(record)
+            self.spend.add(fields.usage, fields.duration or 0.0)
+            self.counts[fields.outcome] += 1
+            if self.budget is not None and fields.key in self.budget.started:
+                self.budget.on_commit(fields.key)
         if self._next_line is None and records:
             self._next_line = self.clock()  # the first commit prints a line at the next tick
 
@@ -292,7 +282,7 @@ class RunMonitor:
                 "estimated": spend.is_estimate,  # totals count attempts without a cost at the mean
                 "this_invocation_usd": _round(spend.this_invocation()),
                 "per_kept_row_usd": _round(outlook.per_kept_row) if outlook else None,
-                "attempts_priced": spend.known_attempts + spend.known_attempts_before,
+                "attempts_priced": spend.now.priced + spend.before.priced,
                 "attempts_unpriced": spend.estimated_attempts,
             },
             "budget": None if self.budget_limit is None else {
@@ -340,25 +330,18 @@ class RunMonitor:
         return text
 
     def write_status(self, state: str) -> dict:
-        from runner.storage.store import atomic_write_bytes
-
         snapshot = self.snapshot(state)
         try:
-            atomic_write_bytes(self.run_dir / "status.json", orjson.dumps(snapshot, option=orjson.OPT_INDENT_2) + b"\n")
+            write_status(self.run_dir, snapshot)
         except OSError as err:  # a view for watchers: never let it stop the run
             self.log(f"⚠️  Could not write status.json: {err}")
         return snapshot
 
     def close(self, state: str) -> dict:
         """The invocation's last status: status.json, one line of status_history.jsonl."""
-        from runner.storage.store import private_opener
-
         snapshot = self.write_status(state)
         try:
-            with open(self.run_dir / "status_history.jsonl", "ab", opener=private_opener) as handle:
-                handle.write(orjson.dumps(snapshot) + b"\n")
-                handle.flush()
-                os.fsync(handle.fileno())
+            append_status_history(self.run_dir, snapshot)
         except OSError as err:
             self.log(f"⚠️  Could not append to status_history.jsonl: {err}")
         return snapshot

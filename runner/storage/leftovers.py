@@ -10,8 +10,9 @@ lock, removes whatever the killed invocation left (it is named in config.json by
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from runner.storage.runfiles import read_config
 
 
 def remove_runner_temp_files(run_dir: Path) -> list[str]:
@@ -42,14 +43,12 @@ def clean_run_leftovers(run_dir: Path, log=print) -> None:
         log(f"⚠️  Could not remove the temp files a killed run left in {run_dir}: {err}")
     if removed:
         log(f"🧹 Removed {len(removed)} temp file(s) a killed run left in {run_dir}: {', '.join(sorted(removed))}")
-    try:
-        saved = json.loads((run_dir / "config.json").read_text())
-        run_id = str(saved["run_id"])
-        tools = saved.get("config", {}).get("tools", {})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    saved = read_config(run_dir)
+    if saved is None or not saved.run_id:
         return
-    if not run_id:
-        return
+    run_id = saved.run_id
+    tools = saved.setting("tools")
+    tools = tools if isinstance(tools, dict) else {}
     from tools.environments.local import kill_task_processes, remove_workdirs
 
     killed = kill_task_processes(lambda task: task.startswith(f"{run_id}-"))

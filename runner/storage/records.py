@@ -29,6 +29,8 @@ from typing import Any, Literal, Mapping
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, TypeAdapter, ValidationError, model_serializer
 
+from agent.usage import Usage
+
 # Version of the record schema, in every row (metadata.schema_version) and in statistics.json.
 # 1: lines written before the version existed (read as well as they can be); 2: cost null when
 # unknown, by_model a mapping, notes and dropped replies lists (read too); 3: these models.
@@ -39,7 +41,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
 
-class ModelUsage(_Model):
+class ModelUsageRecord(_Model):
     """What one attempt spent on one model (the run's model, and the models tools call)."""
 
     model: str
@@ -51,8 +53,9 @@ class ModelUsage(_Model):
     unpriced_requests: int = 0  # replies whose cost is unknown (none reported, no price given)
 
 
-class Usage(_Model):
-    """What one attempt spent, summed over every model request of its session (tools' too)."""
+class UsageRecord(_Model):
+    """`metadata.usage`: what one attempt spent (an agent.usage.Usage), summed over every model
+    request of its session (tools' too). Its fields are those of Usage.as_dict()."""
 
     requests: int = 0
     retries: int = 0
@@ -63,12 +66,11 @@ class Usage(_Model):
     total_tokens: int = 0
     cost: float = 0.0  # the known costs: the attempt's cost when unpriced_requests is 0, else a lower bound
     unpriced_requests: int = 0  # replies whose cost is unknown (none reported, no price given)
-    by_model: list[ModelUsage] = Field(default_factory=list)  # sorted by model
+    by_model: list[ModelUsageRecord] = Field(default_factory=list)  # sorted by model
 
     @classmethod
-    def of(cls, stats: dict) -> Usage:
-        """From a session's call statistics: the fields this schema has (a new one goes here first)."""
-        return cls(**{k: v for k, v in stats.items() if k in cls.model_fields})
+    def of(cls, usage: Usage) -> UsageRecord:
+        return cls.model_validate(usage.as_dict())
 
 
 def note_lines(notes: list[dict]) -> str:
@@ -91,22 +93,8 @@ def _one_line(text: str) -> str:
 
 
 def known_cost(usage: Mapping[str, Any]) -> float | None:
-    """The cost of an attempt (or of one `by_model` entry), None when it is unknown: some reply had
-    no cost (schema 3: `unpriced_requests` > 0; schema 2 lines: a null cost)."""
-    cost = usage.get("cost")
-    if usage.get("unpriced_requests") or isinstance(cost, bool) or not isinstance(cost, (int, float)):
-        return None
-    return float(cost)
-
-
-def model_entries(usage: Mapping[str, Any]) -> list[dict]:
-    """`usage.by_model` as a list of entries with a `model` name (schema 2 lines held a mapping)."""
-    by_model = usage.get("by_model")
-    if isinstance(by_model, dict):
-        return [{"model": str(name), **figures} for name, figures in by_model.items() if isinstance(figures, dict)]
-    if isinstance(by_model, list):
-        return [entry for entry in by_model if isinstance(entry, dict) and "model" in entry]
-    return []
+    """The cost of a committed `usage` (or one `by_model` entry), None when it is unknown."""
+    return Usage.read(usage).known_cost
 
 
 class ScoreEntry(_Model):
@@ -131,7 +119,7 @@ class Metadata(_Model):
     run_id: str  # the invocation that made this attempt
     attempt: int
     duration_seconds: float
-    usage: Usage = Field(default_factory=Usage)
+    usage: UsageRecord = Field(default_factory=UsageRecord)
     seed: int  # the run's seed (drawn at random and recorded when --seed is not given)
     tools_offered: list[str] = Field(default_factory=list)
     stop_reason: str = ""  # final_answer, turn_limit, why a partial row stopped; "failed" for failures
@@ -272,15 +260,57 @@ def as_dict(record: Record) -> dict:
 # --- reading --------------------------------------------------------------------------------
 
 
+class MetadataView:
+    """A committed line's metadata, read without validating it again: each field of `Metadata` as
+    an attribute, its default (None for a required field) when the line lacks it or holds another
+    type (a line of an older schema, a hand edit). A field added to `Metadata` is readable here
+    with no other change; `usage` reads as an agent.usage.Usage."""
+
+    __slots__ = ("_raw", "_usage")
+
+    def __init__(self, raw: dict):
+        self._raw = raw
+        self._usage: Usage | None = None
+
+    @property
+    def usage(self) -> Usage:
+        if self._usage is None:
+            self._usage = Usage.read(self._raw.get("usage"))
+        return self._usage
+
+    def __getattr__(self, name: str) -> Any:
+        info = Metadata.model_fields.get(name)
+        if info is None:
+            raise AttributeError(name)
+        value = self._raw.get(name)
+        if value is not None and _fits(value, info.annotation):
+            return value
+        return None if info.is_required() else info.get_default(call_default_factory=True)
+
+    def present(self) -> dict[str, Any]:
+        """The fields the line holds (any type), in schema order: what a reader shows of it."""
+        return {name: self._raw[name] for name in Metadata.model_fields if name in self._raw}
+
+
+def _fits(value: Any, annotation: Any) -> bool:
+    if annotation is float:
+        return _is_number(value)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    origin = getattr(annotation, "__origin__", None) or annotation
+    return isinstance(value, origin) if isinstance(origin, type) else True
+
+
 class LineFields:
     """The fields of a committed line that the run view needs, parsed from its JSON.
 
     Plain attribute access over the parsed dict, with the types checked once here, so the merge
     of a large run does not validate every conversation turn (the models above did that when the
     line was written). Lines written before the schema version existed read with defaults.
+    `meta` reads any other metadata field.
     """
 
-    __slots__ = ("raw", "key", "outcome", "prompt_index", "row_id", "run_id", "timestamp", "duration", "usage",
+    __slots__ = ("raw", "key", "outcome", "prompt_index", "row_id", "run_id", "timestamp", "duration", "meta",
                  "error_class")
 
     def __init__(self, raw: dict, key: str):
@@ -288,6 +318,7 @@ class LineFields:
         self.key = key
         self.outcome = outcome_of(raw)
         metadata = raw["metadata"]
+        self.meta = MetadataView(metadata)
         self.prompt_index = _int(raw.get("prompt_index"), -1)
         row_id = metadata.get("id")
         self.row_id = "" if row_id is None else str(row_id)
@@ -295,16 +326,48 @@ class LineFields:
         self.timestamp = metadata.get("timestamp") if isinstance(metadata.get("timestamp"), str) else None
         duration = metadata.get("duration_seconds")
         self.duration = float(duration) if _is_number(duration) else None
-        usage = metadata.get("usage")
-        self.usage = usage if isinstance(usage, dict) else {}
         self.error_class = str(raw.get("error_class") or "agent") if self.outcome == "failed" else None
 
     @property
-    def metadata(self) -> dict:
-        return self.raw["metadata"]
+    def usage(self) -> Usage:
+        return self.meta.usage
+
+    @property
+    def batch_num(self) -> int | None:
+        """The batch the store committed the line to (None: a line older than the field)."""
+        value = self.raw["metadata"].get("batch_num")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.raw.get(name, default)
+
+
+def fields_of(record: dict) -> LineFields | None:
+    """The fields of a record as plain data (what a worker sent, what the store committed)."""
+    metadata = record.get("metadata") if isinstance(record, dict) else None
+    key = metadata.get("row_key") if isinstance(metadata, dict) else None
+    if not isinstance(key, str) or not key:
+        return None
+    return LineFields(record, key)
+
+
+def row_key_of(record: dict) -> str | None:
+    fields = fields_of(record)
+    return fields.key if fields is not None else None
+
+
+def stamp_batch(record: dict, model: Record, batch_num: int) -> None:
+    """The batch a record is committed to, on its model and on its plain form (which the parent
+    goes on reading)."""
+    model.metadata.batch_num = record["metadata"]["batch_num"] = batch_num
+
+
+def relocated_line(line: bytes, prompt_index: int, row_id: str) -> bytes:
+    """A committed line with the row's current position and id (the dataset was edited)."""
+    record = orjson.loads(line)
+    record["prompt_index"] = prompt_index
+    record["metadata"]["id"] = row_id
+    return orjson.dumps(record) + b"\n"
 
 
 def read_line(line: bytes) -> LineFields | None:
@@ -314,13 +377,7 @@ def read_line(line: bytes) -> LineFields | None:
         raw = orjson.loads(line)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(raw, dict):
-        return None
-    metadata = raw.get("metadata")
-    key = metadata.get("row_key") if isinstance(metadata, dict) else None
-    if not isinstance(key, str) or not key:
-        return None
-    return LineFields(raw, key)
+    return fields_of(raw) if isinstance(raw, dict) else None
 
 
 def _is_number(value: Any) -> bool:

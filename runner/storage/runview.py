@@ -27,88 +27,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from runner.storage.records import OUTCOME_RANK, LineFields, known_cost, read_line
-from runner.output.spend_view import SpendTally
+from agent.usage import COUNT_FIELDS, TOKEN_FIELDS, Spend
+from runner.storage.records import OUTCOME_RANK, LineFields, read_line
+from runner.storage.spendtally import SpendTally
 from tools.registry import all_tool_names
+
 NO_WINNER = -1  # rank of a row whose lines were all filtered
 OK_RANK, DISCARDED_RANK = OUTCOME_RANK["ok"], OUTCOME_RANK["discarded"]
-TOKEN_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "total_tokens")
-COUNT_KEYS = ("requests", "retries", *TOKEN_KEYS)
+TOKEN_KEYS = TOKEN_FIELDS
+COUNT_KEYS = COUNT_FIELDS
 # Where each committed line's spend goes: kept (the lines of trajectories.jsonl), discarded
 # (tombstones), failed (failed attempts, retried or not) and other (ok lines that are not kept:
 # filtered, duplicates, rows no longer in the dataset). Their sum is the spend of every line.
 SPEND_BUCKETS = ("kept", "discarded", "failed", "other")
 _UNUSED = {"count": 0, "success": 0, "failure": 0}
-
-
-@dataclass
-class Spend:
-    """Sums of what a set of committed lines spent."""
-
-    attempts: int = 0
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
-    cost: float = 0.0
-    unpriced: int = 0  # attempts that made requests but whose cost is unknown (not reported, no price)
-    priced: int = 0  # attempts that made requests and have a known cost
-    duration_seconds: float = 0.0
-
-    def add(self, usage: Mapping[str, Any], duration: float | None) -> None:
-        self.attempts += 1
-        counts = self.counts
-        try:  # lines were validated when written: the fast path is the common one
-            for k in COUNT_KEYS:
-                counts[k] += usage.get(k) or 0
-        except TypeError:  # a hand-edited or foreign line: count what is a number
-            for k in COUNT_KEYS:
-                v = usage.get(k)
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    counts[k] += int(v)
-        cost = known_cost(usage)
-        if cost is None:
-            if usage.get("requests"):
-                self.unpriced += 1
-        else:
-            self.cost += cost
-            if usage.get("requests"):
-                self.priced += 1
-        if duration:
-            self.duration_seconds += duration
-
-    def merge(self, other: Spend) -> None:
-        self.attempts += other.attempts
-        for k in COUNT_KEYS:
-            self.counts[k] += other.counts[k]
-        self.cost += other.cost
-        self.unpriced += other.unpriced
-        self.priced += other.priced
-        self.duration_seconds += other.duration_seconds
-
-    def as_dict(self) -> dict:
-        """The JSON form: cost is null (unknown) when any attempt had no reported cost, never 0."""
-        prompt = self.counts["prompt_tokens"]
-        return {
-            "attempts": self.attempts,
-            **self.counts,
-            "cost": None if self.unpriced else round(self.cost, 6),
-            "unpriced_attempts": self.unpriced,
-            "priced_attempts": self.priced,
-            "cache_hit_ratio": round(self.counts["cached_tokens"] / prompt, 4) if prompt else None,
-            "duration_seconds": round(self.duration_seconds, 3),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Spend:
-        spend = cls(attempts=int(data.get("attempts") or 0),
-                    counts={k: int(data.get(k) or 0) for k in COUNT_KEYS},
-                    cost=float(data.get("cost_sum", data.get("cost")) or 0.0),
-                    unpriced=int(data.get("unpriced_attempts") or 0),
-                    priced=int(data.get("priced_attempts") or 0),
-                    duration_seconds=float(data.get("duration_seconds") or 0.0))
-        return spend
-
-    def cache_form(self) -> dict:
-        """The exact sums, for checkpoint.json (cost kept as a number even when some are unknown)."""
-        return {**self.as_dict(), "cost_sum": self.cost}
 
 
 @dataclass(slots=True)
@@ -259,7 +191,8 @@ class RunView:
         self.lines += 1
         key, outcome = fields.key, fields.outcome
         rank = OUTCOME_RANK[outcome]
-        self._count_batch(str(fields.metadata.get("batch_num", batch)), outcome)
+        batch_num = fields.batch_num
+        self._count_batch(str(batch if batch_num is None else batch_num), outcome)
         if self.tally:
             self._note_span(fields)
         if self.on_line is not None:
@@ -323,7 +256,7 @@ class RunView:
     def total_spend(self) -> Spend:
         total = Spend()
         for bucket in self.spend.values():
-            total.merge(bucket)
+            total += bucket
         return total
 
     def entry(self, key: str) -> RowEntry | None:

@@ -21,46 +21,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
-import orjson
 
-from runner.storage.records import OUTCOME_RANK, LineFields, outcome_of, record_line, validate_record
+from runner.storage.records import (OUTCOME_RANK, LineFields, outcome_of, record_line, row_key_of, stamp_batch,
+                                    validate_record)
+from runner.storage.runfiles import CheckpointError, CheckpointFile, read_checkpoint, write_checkpoint
 from runner.storage.runview import NO_WINNER, SPEND_BUCKETS, RowEntry, RunView, Spend
 from runner.input.secrets import redact_bytes
+from runner.storage.atomic import atomic_write_bytes, atomic_write_json, keep_mode, private_opener  # noqa: F401 (their home for callers)
 
 BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
 _OUTCOME_NAME = {rank: name for name, rank in OUTCOME_RANK.items()}
-
-
-def private_opener(path: str, flags: int) -> int:
-    """`open(..., opener=private_opener)`: a file the runner creates is readable by its owner only
-    (rows may hold whatever the prompts and tools saw); an existing file keeps its mode."""
-    return os.open(path, flags, 0o600)
-
-
-def keep_mode(tmp: str | Path, target: Path) -> None:
-    """A replacement written to a private temp file takes the mode of the file it replaces."""
-    if target.exists():
-        os.chmod(tmp, target.stat().st_mode & 0o777)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a private temp file in the same folder, fsync, then rename over the target."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}_", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        keep_mode(tmp, path)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, value: Any) -> None:
-    atomic_write_bytes(path, orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n")
 
 
 # errno values that mean "the disk cannot take this write", not "our bug"
@@ -90,8 +60,7 @@ def record_outcome(record: dict) -> str:
 
 
 def record_key(record: dict) -> str | None:
-    metadata = record.get("metadata")
-    return metadata.get("row_key") if isinstance(metadata, dict) else None
+    return row_key_of(record)
 
 
 def batch_files(run_dir: Path) -> list[Path]:
@@ -190,8 +159,8 @@ class RunStore:
         """Rebuild the run view from the batch files, reading only what checkpoint.json has not seen."""
         checkpoint = self._read_checkpoint(log)
         files = batch_files(self.run_dir)
-        cached_sizes = checkpoint.get("files") or {}
-        trusted = isinstance(checkpoint.get("rows"), dict) and isinstance(checkpoint.get("spend"), dict) and all(
+        cached_sizes = checkpoint.files if checkpoint is not None else {}
+        trusted = checkpoint is not None and checkpoint.rows is not None and checkpoint.spend is not None and all(
             (self.run_dir / name).exists() and (self.run_dir / name).stat().st_size >= size
             for name, size in cached_sizes.items()
         )
@@ -204,27 +173,25 @@ class RunStore:
             self.file_sizes[path.name] = max(self.view.read_file(file_no, path, start), start)
         self._batch_num = int(BATCH_FILE.match(files[-1].name).group(1)) + 1 if files else 0
 
-    def _restore(self, checkpoint: dict) -> None:
+    def _restore(self, checkpoint: CheckpointFile) -> None:
         """The view as checkpoint.json caches it: row states, batch statistics and the spend."""
         rows = self.view.rows
-        for key, (outcome, index, failures) in checkpoint["rows"].items():
+        for key, (outcome, index, failures) in checkpoint.rows.items():
             rank = OUTCOME_RANK.get(outcome, NO_WINNER)
             rows[key] = RowEntry(rank, index, failures=failures, attempts=failures + (rank != OUTCOME_RANK["failed"]))
-        self.view.batch_stats = checkpoint.get("batch_stats") or {}
+        self.view.batch_stats = checkpoint.batch_stats
         for bucket in SPEND_BUCKETS:
-            self.view.spend[bucket] = Spend.from_dict(checkpoint["spend"].get(bucket) or {})
+            self.view.spend[bucket] = Spend.from_cache(checkpoint.spend.get(bucket) or {})
 
-    def _read_checkpoint(self, log) -> dict:
-        if not self.checkpoint_path.exists():
-            return {}
+    def _read_checkpoint(self, log) -> CheckpointFile | None:
         try:
-            data = orjson.loads(self.checkpoint_path.read_bytes())
-        except (OSError, orjson.JSONDecodeError) as err:
+            checkpoint = read_checkpoint(self.checkpoint_path)
+        except CheckpointError as err:
             log(f"⚠️  checkpoint.json is unreadable ({err}); rebuilding it from the batch files")
-            return {}
-        if not isinstance(data, dict) or data.get("run_name") != self.run_name:
-            return {}
-        return data
+            return None
+        if checkpoint is None or checkpoint.run_name != self.run_name:
+            return None
+        return checkpoint
 
     @property
     def batch_stats(self) -> dict[str, dict[str, int]]:
@@ -267,7 +234,7 @@ class RunStore:
                     continue  # a result that arrived twice (e.g. a retried Ray task): keep the first
                 if self._handle is None or self._lines_in_batch >= self.batch_size:
                     self._rotate()
-                model.metadata.batch_num = record["metadata"]["batch_num"] = self._batch_num
+                stamp_batch(record, model, self._batch_num)
                 self._write_all(redact_bytes(record_line(model)[:-1]) + b"\n")
                 self._lines_in_batch += 1
                 self.view.add(LineFields(record, key), batch=str(self._batch_num))
@@ -325,7 +292,7 @@ class RunStore:
         rows = self.view.rows
         completed = sorted({e.prompt_index for e in rows.values() if e.committed and e.prompt_index >= 0})
         with storage_errors(self.checkpoint_path):
-            atomic_write_json(
+            write_checkpoint(
                 self.checkpoint_path,
                 {
                     "run_name": self.run_name,

@@ -192,7 +192,7 @@ def test_vision_sends_screenshot_to_model(session, site, model_server):
     (request,) = model_server.requests
     assert request.body["model"] == "vision-model"
     # the tool's model call is in the row's usage, under its own model
-    assert session.ctx.model.stats.by_model["vision-model"]["requests"] == 1 == session.ctx.model.stats.requests
+    assert session.ctx.model.stats.by_model["vision-model"].requests == 1 == session.ctx.model.stats.requests
     text_part, image_part = request.body["messages"][0]["content"]
     assert "What colour is the first image?" in text_part["text"] and site.url("/") in text_part["text"]
     assert image_part["type"] == "image_url"

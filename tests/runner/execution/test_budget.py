@@ -11,6 +11,7 @@ from agent.model_client import CallStats
 from agent.pricing import Prices, request_cost
 from runner.execution.budget import Budget, cost_options
 from runner.storage.records import known_cost
+from agent.usage import Spend, Usage
 from runner.output.status import LiveSpend, forecast
 from tests.conftest import read_jsonl, run_cli, write_jsonl
 
@@ -78,7 +79,7 @@ def test_cost_flags_are_checked():
 
 
 def test_budget_counts_rows_in_flight_at_the_mean_attempt_cost():
-    spend = LiveSpend(known_cost_before=0.4, known_attempts_before=4)  # earlier invocations: 0.1 per attempt
+    spend = LiveSpend(before=Spend(Usage(cost=0.4), priced=4))  # earlier invocations: 0.1 per attempt
     budget = Budget(1.0, hard=False, spend=spend)
     for key in "abcde":
         assert budget.may_start()
@@ -99,12 +100,12 @@ def test_budget_without_any_estimate_lets_the_first_wave_start():
 
 def test_unpriced_attempts_count_at_the_mean_or_make_the_total_unknown():
     spend = LiveSpend(estimate_unknown=True)  # under a budget (tests/runner/execution/test_unknown_cost.py: without one)
-    spend.add({"requests": 1}, 1.0)
+    spend.add(Usage.read({"requests": 1}), 1.0)
     assert spend.total() is None and spend.budget_cost() is None
     budget = Budget(1.0, hard=False, spend=spend)  # e.g. OpenRouter stopped reporting usage.cost
     assert not budget.may_start() and budget.unmeasurable and "could not be enforced" in budget.stop_message("run")
-    spend.add({"requests": 2, "cost": 0.3}, 1.0)
-    spend.add({"requests": 0, "cost": None}, 0.0)  # no model request: nothing spent, not an attempt
+    spend.add(Usage.read({"requests": 2, "cost": 0.3}), 1.0)
+    spend.add(Usage.read({"requests": 0, "cost": None}), 0.0)  # no model request: nothing spent, not an attempt
     assert spend.total() == pytest.approx(0.6) and spend.estimated_attempts == 1
 
 
@@ -273,13 +274,14 @@ def test_unpriced_run_says_unknown(tmp_path, model_server):
 
 
 def test_spend_view_splits_by_model_retried_and_time(tmp_path):
-    from runner.output.spend_view import SpendTally, read_invocations
+    from runner.output.spend_view import read_invocations
+    from runner.storage.spendtally import SpendTally
 
     tally = SpendTally()
     def usage(cost, model="m"):
         figures = {"requests": 1, "prompt_tokens": 100, "cached_tokens": 25, "cost": cost or 0.0,
                    "unpriced_requests": int(cost is None)}
-        return {**figures, "by_model": [{"model": model, **figures}]}
+        return Usage.read({**figures, "by_model": [{"model": model, **figures}]})
 
     tally.add("failed", "a", "2026-12-01T10:00:10", usage(0.1))
     tally.add("kept", "a", "2026-12-01T10:00:20", usage(0.2))  # a: failed once, then kept: retried

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from runner.execution.budget import Budget
+from agent.usage import Spend, Usage
 from runner.output.status import LiveSpend
 from tests.conftest import run_cli, write_jsonl
 
@@ -50,16 +51,16 @@ def test_without_a_budget_an_unknown_cost_is_never_given_a_figure(tmp_path, mode
 
 def test_under_a_budget_an_unknown_cost_counts_at_the_mean_as_an_estimate():
     spend = LiveSpend(estimate_unknown=True)  # what --max_cost sets
-    spend.add({"requests": 1}, 1.0)
+    spend.add(Usage.read({"requests": 1}), 1.0)
     assert spend.total() is None and spend.budget_cost() is None  # nothing to estimate it by
     budget = Budget(1.0, hard=False, spend=spend)
     assert not budget.may_start() and budget.unmeasurable and "could not be enforced" in budget.stop_message("run")
-    spend.add({"requests": 2, "cost": 0.3}, 1.0)
+    spend.add(Usage.read({"requests": 2, "cost": 0.3}), 1.0)
     assert spend.total() == pytest.approx(0.6) and spend.is_estimate and spend.known_total() == pytest.approx(0.3)
     assert "(an estimate)" in Budget(0.5, hard=False, spend=spend).stop_message("run")
 
     plain = LiveSpend()  # no budget: the same attempts make the total unknown, the budget figure still estimates
-    plain.add({"requests": 1}, 1.0)
-    plain.add({"requests": 2, "cost": 0.3}, 1.0)
+    plain.add(Usage.read({"requests": 1}), 1.0)
+    plain.add(Usage.read({"requests": 2, "cost": 0.3}), 1.0)
     assert plain.total() is None and plain.this_invocation() is None and not plain.is_estimate
     assert plain.known_total() == pytest.approx(0.3)
