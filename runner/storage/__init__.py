@@ -1,6 +1,8 @@
-"""Storage: the run directory. records.py defines every line a batch file holds; store.py is its
-only writer; runview.py its only reader; lock.py keeps one runner per directory; leftovers.py
-removes what a killed run left.
+"""Storage: the run directory. records.py defines and reads every line a batch file holds;
+runfiles.py models and reads the other files (config.json, statistics.json, status.json,
+checkpoint.json); store.py is the batch files' only writer; runview.py their only reader (with
+spendtally.py, the spend by model and over time); atomic.py writes files privately and atomically;
+lock.py keeps one runner per directory; leftovers.py removes what a killed run left.
 
-May import runner.input; never runner.execution or runner.output.
+May import agent.usage and runner.input; never runner.execution or runner.output.
 """
