@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -48,13 +49,18 @@ _MARKER_VAR = "ABR_LOCAL_SESSION"
 # ... and the task it runs for ("<run id>-p<row>-a<attempt>"), so that what a dead worker or a killed
 # run left running can be found after the fact (runner/storage/leftovers.py) by task or by run.
 _TASK_VAR = "ABR_TASK_ID"
-# Host folders that hold sockets (the Docker engine's /run/docker.sock, D-Bus, systemd, containerd)
-# or container filesystems: each gets an empty tmpfs inside the sandbox. /var/run is mostly a
-# symlink to /run, then nothing more to hide.
-_HIDDEN_DIRS = ("/run", "/var/run", "/var/lib/docker", "/var/lib/containerd")
+# What commands see of the host, read-only: its programs, libraries and configuration, never the
+# whole of `/`. A read-only mount does not stop connect(), so a host unix socket anywhere else (the
+# runner's forkserver listener under $TMPDIR, a service's under /run, /var or /home) must simply
+# not be there; one that lives in these folders is covered with /dev/null (host_sockets_in).
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 # Files of /proc that root could write without any capability (file mode only): read-only inside.
 _READ_ONLY_PROC = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
-_DROP_PRIVILEGES = ["setpriv", "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--"]
+# A runner as root runs sandboxed commands as nobody: what they create on the host is not root's,
+# and files only root may read (/etc/shadow) stay unreadable. Unprivileged, bubblewrap's user
+# namespace keeps the runner's own uid (a user cannot switch to another).
+_SANDBOX_USER = "nobody"
+_DROP_CAPABILITIES = ["--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all"]
 
 
 class LocalConfig(BaseModel):
@@ -73,6 +79,7 @@ class LocalEnvironment(Backend):
         self.workdir = ""
         self._owns_workdir = False
         self._workdir_root = ""  # the folder made for this session (workdir, or its parent under bwrap)
+        self._sandbox_dir = ""  # bwrap: the folder inside it that the sandbox may write
         self._marker = uuid.uuid4().hex
         self._holder: subprocess.Popen | None = None  # bwrap: keeps the sandbox alive
         self._sandbox_pid = 0  # bwrap: host pid of the sandbox's init process
@@ -130,31 +137,49 @@ class LocalEnvironment(Backend):
                 os.makedirs(root, exist_ok=True)
                 self.workdir = self._workdir_root = tempfile.mkdtemp(prefix=workdir_prefix(cfg.task_id), dir=root)
                 self._owns_workdir = True
-                if cfg.cwd:  # bwrap: the row's cwd is a folder inside the sandbox's own workdir
-                    if os.path.isabs(cfg.cwd) or ".." in cfg.cwd.split("/"):
-                        raise SandboxError(f"under --sandbox=bwrap a row's cwd must be a relative path (got {cfg.cwd!r})")
-                    self.workdir = os.path.join(self.workdir, cfg.cwd)
-                    os.makedirs(self.workdir, exist_ok=True)
+                if cfg.sandbox:
+                    self.workdir = self._make_sandbox_dir()
             if cfg.sandbox:
                 self._start_sandbox()
         except (OSError, ValueError, KeyError) as exc:  # ValueError/KeyError: bwrap's info made no sense
             raise SandboxError(f"cannot prepare the local environment: {exc}") from exc
 
+    def _make_sandbox_dir(self) -> str:
+        """The folder the sandbox may write, inside the session's folder (mode 0700, the runner's):
+        as root it belongs to the sandbox's user, and no other host user can reach what the
+        commands leave in it. The row's cwd is a folder inside it."""
+        cwd = self.config.cwd
+        if cwd and (os.path.isabs(cwd) or ".." in cwd.split("/")):
+            raise SandboxError(f"under --sandbox=bwrap a row's cwd must be a relative path (got {cwd!r})")
+        top = self._sandbox_dir = os.path.join(self._workdir_root, "work")
+        workdir = os.path.join(top, cwd) if cwd else top
+        os.makedirs(workdir)
+        if os.geteuid() == 0:
+            uid, gid = sandbox_ids()
+            for folder, _dirs, _files in os.walk(top):
+                os.chown(folder, uid, gid)
+        return workdir
+
     def _start_sandbox(self) -> None:
+        top = self._sandbox_dir
         # As root, a fresh minimal /dev. Unprivileged, `--dev` makes bwrap nest a second user
         # namespace that nsenter cannot join, so bind the host's /dev (its file permissions still
-        # apply: an ordinary user can open /dev/null, not the disks).
-        dev = ["--dev", "/dev"] if os.geteuid() == 0 else ["--dev-bind", "/dev", "/dev"]
-        hidden = [arg for d in _HIDDEN_DIRS if os.path.isdir(d) and not os.path.islink(d) for arg in ("--tmpfs", d)]
+        # apply: an ordinary user can open /dev/null, not the disks) with a private /dev/shm.
+        if os.geteuid() == 0:
+            dev, seen = ["--dev", "/dev"], _SYSTEM_DIRS
+        else:
+            dev, seen = ["--dev-bind", "/dev", "/dev", "--tmpfs", "/dev/shm"], (*_SYSTEM_DIRS, "/dev")
+        covered = [arg for path in host_sockets_in(seen) for arg in ("--ro-bind", "/dev/null", path)]
         read_only_proc = [arg for path in _READ_ONLY_PROC for arg in ("--ro-bind-try", path, path)]
         info_r, info_w = os.pipe()
         bwrap_args = [
             "--info-fd", str(info_w), "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts",
             "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent",
-            "--ro-bind", "/", "/", *hidden, *dev, "--proc", "/proc", *read_only_proc, "--tmpfs", "/tmp",
-            "--bind", self._workdir_root, self._workdir_root,
+            *_system_mounts(), *dev, "--proc", "/proc", *read_only_proc, *covered,
+            "--perms", "1777", "--tmpfs", "/tmp", "--dir", "/var", "--perms", "1777", "--tmpfs", "/var/tmp",
+            "--dir", "/run", *_folders_leading_to(top), "--bind", top, top,
             "--clearenv", *(arg for name, value in _sandbox_env().items() for arg in ("--setenv", name, value)),
-            "--", "sh", "-c", "echo ready; exec cat",
+            "--", *self._drop_privileges(), "sh", "-c", "echo ready; exec cat",
         ]  # fmt: skip
         try:
             # A plain sh sits between us and bwrap because --die-with-parent fires when the *thread*
@@ -176,6 +201,14 @@ class LocalEnvironment(Backend):
         ns = os.stat(f"/proc/{self._sandbox_pid}/ns/pid")
         self._sandbox_ns = (ns.st_dev, ns.st_ino)
 
+    @staticmethod
+    def _drop_privileges() -> list[str]:
+        """setpriv: no capability, no_new_privs and, for a runner as root, the sandbox's user."""
+        if os.geteuid() != 0:
+            return ["setpriv", *_DROP_CAPABILITIES, "--"]
+        uid, gid = sandbox_ids()
+        return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *_DROP_CAPABILITIES, "--"]
+
     def _command_argv(self, script: str) -> list[str]:
         if not self._holder:
             return ["sh", "-c", script]
@@ -189,7 +222,7 @@ class LocalEnvironment(Backend):
             enter.append("-C")  # --unshare-cgroup-try made one (the kernel supports them)
         if os.geteuid() != 0:  # unprivileged bwrap made a user namespace: join it first
             enter += ["-U", "--preserve-credentials"]
-        return [*enter, *_DROP_PRIVILEGES]
+        return [*enter, *self._drop_privileges()]
 
     def _command_env(self) -> dict[str, str]:
         if self._holder:  # the sandbox gets a clean environment, nothing of the runner's
@@ -291,6 +324,8 @@ class LocalEnvironment(Backend):
         if self._owns_workdir and not self.config.keep_workdir:
             shutil.rmtree(self._workdir_root, onerror=_force_remove)
             self._owns_workdir = False
+        elif self._sandbox_dir:  # kept: nothing the sandbox made stays setuid or setgid on the host
+            clear_set_id_bits(self._sandbox_dir)
 
     def _marker_entry(self) -> bytes:
         return f"{_MARKER_VAR}={self._marker}".encode()
@@ -323,6 +358,66 @@ def _sandbox_env() -> dict[str, str]:
         if os.environ.get(name):
             env[name] = os.environ[name]
     return env
+
+
+def sandbox_ids() -> tuple[int, int]:
+    """The uid and gid a runner as root gives sandboxed commands."""
+    try:
+        user = pwd.getpwnam(_SANDBOX_USER)
+        return user.pw_uid, user.pw_gid
+    except KeyError:
+        return 65534, 65534  # nobody's ids nearly everywhere
+
+
+def _system_mounts() -> list[str]:
+    """bwrap arguments that show the host's system folders read-only (symlinks stay symlinks)."""
+    args = []
+    for path in _SYSTEM_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    return args
+
+
+def _folders_leading_to(path: str) -> list[str]:
+    """bwrap arguments that create the folders above `path` traversable (0755): left to bwrap they
+    would be made 0700 root, closed to the sandbox's user. Folders that exist are left as they are."""
+    parents = []
+    while (path := os.path.dirname(path)) != "/":
+        parents.insert(0, path)
+    return [arg for parent in parents for arg in ("--perms", "0755", "--dir", parent)]
+
+
+def host_sockets_in(folders: tuple[str, ...]) -> list[str]:
+    """The unix sockets bound on this host (the kernel's list, /proc/net/unix) whose path lies in
+    one of `folders`: the sandbox sees them covered by /dev/null."""
+    try:
+        with open("/proc/net/unix", "rb") as f:
+            lines = f.read().decode(errors="replace").splitlines()[1:]
+    except OSError:
+        return []
+    found = set()
+    for line in lines:
+        fields = line.split(None, 7)
+        path = fields[7] if len(fields) == 8 else ""
+        if path.startswith("/") and any(path.startswith(folder + "/") for folder in folders):
+            if os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
+                found.add(path)
+    return sorted(found)
+
+
+def clear_set_id_bits(top: str) -> None:
+    """Remove the setuid and setgid bits of every file under `top` (not following symlinks)."""
+    for folder, _dirs, files in os.walk(top):
+        for name in files:
+            path = os.path.join(folder, name)
+            try:
+                mode = os.lstat(path).st_mode
+                if stat.S_ISREG(mode) and mode & (stat.S_ISUID | stat.S_ISGID):
+                    os.chmod(path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
+            except OSError:
+                pass
 
 
 def workdir_prefix(task_id: str) -> str:
