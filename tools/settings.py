@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictFloat, field
 # Defaults that the environment backends share with these settings (defined here only).
 COMMAND_TIMEOUT = 180.0  # default timeout of one terminal command, seconds
 MAX_OUTPUT_CHARS = 50_000  # tool output above this is truncated (head and tail kept)
+MAX_READ_BYTES = 16 * 2**20  # a file tool reads at most this much of a file: more is an error
 
 
 class ToolSettings(BaseModel):

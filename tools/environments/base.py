@@ -11,6 +11,7 @@ Backends import only this module, never one another (the registry is tools/envir
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shlex
 import signal
@@ -24,6 +25,23 @@ if TYPE_CHECKING:
 
 class SandboxError(Exception):
     """The sandbox could not be started or died. The row fails with error_class 'environment'."""
+
+
+class FileTooLargeError(OSError):
+    """A file tool asked for more than MAX_READ_BYTES (an endless device reads as too large)."""
+
+    def __init__(self, path: str, limit: int):
+        reason = (f"it is larger than the {limit / 2**20:g} MiB the file tools read; "
+                  "look at part of it with the terminal (head, tail, grep)")
+        super().__init__(errno.EFBIG, reason, path)
+
+
+def read_at_most(stream, path: str, limit: int) -> bytes:
+    """Read `stream` to its end, or raise FileTooLargeError past `limit` bytes."""
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise FileTooLargeError(path, limit)
+    return data
 
 
 @dataclass
@@ -46,7 +64,8 @@ class Environment(Protocol):
         """Run `command` with `sh -c` in `cwd` (default: workdir). The timeout really stops it."""
 
     def read_file(self, path: str) -> bytes:
-        """Return the bytes of `path` (relative paths are relative to workdir). FileNotFoundError if absent."""
+        """Return the bytes of `path` (relative paths are relative to workdir). FileNotFoundError if
+        absent, FileTooLargeError beyond MAX_READ_BYTES (never more is held in memory)."""
 
     def write_file(self, path: str, data: bytes) -> None:
         """Write `path`, creating parent directories."""

@@ -18,6 +18,7 @@ only `sh`, `cat` and `/proc` in the image (no `timeout`, `ps` or `pkill`).
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -33,9 +34,9 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from pydantic import BaseModel, Field
 
-from .base import (EXEC_MARK, Backend, ExecResult, OutputCapture, SandboxError, container_image,
+from .base import (EXEC_MARK, Backend, ExecResult, FileTooLargeError, OutputCapture, SandboxError, container_image,
                    kill_marked_processes_script, truncate_output)
-from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
+from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS, MAX_READ_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,21 @@ MAKE_WORKDIR = 'mkdir -p "$1" && { [ -z "$2" ] || chown "$2" "$1"; }'
 ROOT = "0"
 # Runs the command with `sh -c`, its stderr sent into stdout so that the two stay in order.
 MERGED_SH = 'exec sh -c "$1" 2>&1'
+
+
+# The archive of one file: a 512-byte header (more for long names) and padding to 10 KiB records.
+_TAR_OVERHEAD = 64 * 1024
+
+
+def _join_at_most(chunks, path: str, limit: int) -> bytes:
+    """The archive stream's bytes, or FileTooLargeError once they pass `limit` (then the rest is
+    never read)."""
+    data = bytearray()
+    for chunk in chunks:
+        data += chunk
+        if len(data) > limit:
+            raise FileTooLargeError(path, MAX_READ_BYTES)
+    return bytes(data)
 
 
 def exec_failure(code: int | None, output: bytes, command: list[str]) -> str:
@@ -251,8 +267,10 @@ class DockerEnvironment(Backend):
         full = self._path(path)
         for _ in range(8):  # follow symlinks, which the archive API returns as links
             try:
-                chunks, _stat = container.get_archive(full)
-                data = b"".join(chunks)
+                chunks, info = container.get_archive(full)
+                if info.get("size", 0) > MAX_READ_BYTES:  # known before a byte is read
+                    raise FileTooLargeError(full, MAX_READ_BYTES)
+                data = _join_at_most(chunks, full, MAX_READ_BYTES + _TAR_OVERHEAD)
             except NotFound as exc:
                 self._check_alive()
                 raise FileNotFoundError(f"{full}: no such file in the container") from exc
@@ -264,9 +282,14 @@ class DockerEnvironment(Backend):
                     raise FileNotFoundError(full)
                 if member.isdir():
                     raise IsADirectoryError(f"{full} is a directory")
-                if not member.issym():
-                    return tar.extractfile(member).read()
-                full = posixpath.normpath(posixpath.join(posixpath.dirname(full), member.linkname))
+                if member.issym():
+                    full = posixpath.normpath(posixpath.join(posixpath.dirname(full), member.linkname))
+                    continue
+                if not member.isfile():  # a device or a pipe: the archive holds no content
+                    raise OSError(errno.EINVAL, "not a regular file", full)
+                if member.size > MAX_READ_BYTES:
+                    raise FileTooLargeError(full, MAX_READ_BYTES)
+                return tar.extractfile(member).read()
         raise OSError(f"{path}: too many levels of symbolic links")
 
     def write_file(self, path: str, data: bytes) -> None:

@@ -34,10 +34,11 @@ import uuid
 from pydantic import BaseModel
 
 from tools.environments.base import (
-    Backend, ExecResult, OutputCapture, SandboxError, absolute_cwd_error, command_finished, forget_marked_processes,
-    environ_of, keep_processes_marked, kill_orphans, own_descendants, quote, start_command, truncate_output,
+    Backend, ExecResult, FileTooLargeError, OutputCapture, SandboxError, absolute_cwd_error, command_finished, forget_marked_processes,
+    environ_of, keep_processes_marked, kill_orphans, own_descendants, quote, read_at_most, start_command,
+    truncate_output,
 )  # fmt: skip
-from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
+from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS, MAX_READ_BYTES
 
 BWRAP_MISSING = "--sandbox=bwrap needs bubblewrap: apt-get install bubblewrap"
 # Variables that look like credentials never reach commands: a model that runs `env` would
@@ -273,9 +274,12 @@ class LocalEnvironment(Backend):
     def read_file(self, path: str) -> bytes:
         full = os.path.normpath(os.path.join(self.workdir, path))
         if self._holder:
-            return self._file_in_sandbox(_READ_SCRIPT, full)
+            data = self._file_in_sandbox(_READ_SCRIPT, full, limit=MAX_READ_BYTES)
+            if len(data) > MAX_READ_BYTES:
+                raise FileTooLargeError(full, MAX_READ_BYTES)
+            return data
         with open(full, "rb") as f:
-            return f.read()
+            return read_at_most(f, full, MAX_READ_BYTES)
 
     def write_file(self, path: str, data: bytes) -> None:
         full = os.path.normpath(os.path.join(self.workdir, path))
@@ -286,14 +290,15 @@ class LocalEnvironment(Backend):
         with open(full, "wb") as f:
             f.write(data)
 
-    def _file_in_sandbox(self, script: str, path: str, data: bytes | None = None) -> bytes:
+    def _file_in_sandbox(self, script: str, path: str, data: bytes | None = None, limit: int = 0) -> bytes:
         """Read or write `path` with a process inside the sandbox, so every symlink resolves as the
         sandbox sees it (a link to / is the sandbox's read-only /, never the host's)."""
         if self._holder.poll() is not None:
             raise SandboxError("the bubblewrap sandbox of this session has died")
         try:
             proc = subprocess.run(
-                [*self._enter_sandbox(), "sh", "-c", script, "sh", path], input=data or b"", capture_output=True,
+                [*self._enter_sandbox(), "sh", "-c", script, "sh", path, str(limit + 1)], input=data or b"",
+                capture_output=True,
                 cwd="/", env=self._command_env(), timeout=self.config.command_timeout,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
@@ -345,9 +350,10 @@ class LocalEnvironment(Backend):
         return False
 
 
-# File tools under bwrap: small scripts run inside the sandbox, the path as $1.
+# File tools under bwrap: small scripts run inside the sandbox, the path as $1 (and for a read, how
+# many bytes at most as $2: one more than the limit, to tell a file at the limit from a larger one).
 _NOT_FOUND, _IS_DIR = 3, 4
-_READ_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIR}; [ -e "$1" ] || exit {_NOT_FOUND}; exec cat -- "$1"'
+_READ_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIR}; [ -e "$1" ] || exit {_NOT_FOUND}; exec head -c "$2" -- "$1"'
 _WRITE_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIR}; mkdir -p -- "$(dirname -- "$1")" && exec cat > "$1"'
 
 

@@ -29,9 +29,9 @@ from typing import Callable
 
 from pydantic import BaseModel
 
-from .base import (EXEC_MARK, Backend, ExecResult, OutputCapture, SandboxError, container_image,
-                   kill_marked_processes_script, truncate_output)
-from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
+from .base import (EXEC_MARK, Backend, ExecResult, FileTooLargeError, OutputCapture, SandboxError, container_image,
+                   kill_marked_processes_script, read_at_most, truncate_output)
+from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS, MAX_READ_BYTES
 
 DEFAULT_CWD = "/workspace"
 
@@ -164,11 +164,13 @@ class SingularityEnvironment(Backend):
         host = self._host_path(path)
         if host is not None:
             with open(host, "rb") as file:
-                return file.read()
+                return read_at_most(file, host, MAX_READ_BYTES)
         full = self._path(path)
-        code, output = self._run(self._exec_argv("cat", full), timeout=60)
+        code, output = self._run(self._exec_argv("head", "-c", str(MAX_READ_BYTES + 1), full), timeout=60)
         if code != 0:
             raise FileNotFoundError(f"{full}: {output.decode(errors='replace').strip()}")
+        if len(output) > MAX_READ_BYTES:
+            raise FileTooLargeError(full, MAX_READ_BYTES)
         return output
 
     def write_file(self, path: str, data: bytes) -> None:

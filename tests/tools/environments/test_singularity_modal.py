@@ -21,7 +21,7 @@ from tools.environments import singularity as singularity_backend
 from tools.environments.base import EXEC_MARK, SandboxError, kill_marked_processes_script
 from tools.environments.modal import IN_DIR, KEEP_ALIVE, PROBE, ModalConfig, ModalEnvironment
 from tools.environments.singularity import SingularityConfig, SingularityEnvironment, run_command
-from tools.settings import ToolSettings
+from tools.settings import MAX_READ_BYTES, ToolSettings
 
 # -- singularity ------------------------------------------------------------------------------
 
@@ -135,7 +135,7 @@ def test_singularity_files_elsewhere_go_through_exec(runner, tmp_path):
     with pytest.raises(FileNotFoundError):
         env.read_file("/nope")
     instance = f"instance://{env.name}"
-    assert runner.argvs[1] == ["apptainer", "exec", instance, "cat", "/etc/passwd"]
+    assert runner.argvs[1] == ["apptainer", "exec", instance, "head", "-c", str(MAX_READ_BYTES + 1), "/etc/passwd"]
     assert runner.argvs[2] == ["apptainer", "exec", instance, "sh", "-c",
                                'mkdir -p "$(dirname "$1")" && cat > "$1"', "sh", "/opt/tool/cfg"]
     assert runner.calls[2][1]["input"] == b"x=1"
@@ -149,7 +149,8 @@ def test_singularity_symlink_out_of_workdir_is_resolved_inside_the_instance(runn
     os.symlink(secret, os.path.join(env.host_dir, "link"))
     runner.answers = [(0, b"instance file")]
     assert env.read_file("link") == b"instance file"
-    assert runner.argvs[1] == ["apptainer", "exec", f"instance://{env.name}", "cat", "/workspace/link"]
+    assert runner.argvs[1] == ["apptainer", "exec", f"instance://{env.name}", "head", "-c", str(MAX_READ_BYTES + 1),
+                               "/workspace/link"]
 
 
 def test_singularity_cleanup_stops_instance_once_and_removes_host_dir(runner, tmp_path):
