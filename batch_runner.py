@@ -95,6 +95,7 @@ def main(
     seed: int = None,
     output_dir: str = None,
     skip_invalid: bool = None,
+    allow_duplicate_ids: bool = None,
     keep_no_reasoning: bool = None,
     overwrite: bool = False,
     allow_config_change: bool = False,
@@ -155,7 +156,8 @@ def main(
             provider_sort=provider_sort, max_tokens=max_tokens, reasoning_effort=reasoning_effort,
             reasoning_disabled=reasoning_disabled, prefill_messages_file=prefill_messages_file,
             max_samples=max_samples, tool_choice=tool_choice, prompt_caching=prompt_caching, seed=seed,
-            output_dir=output_dir, skip_invalid=skip_invalid, keep_no_reasoning=keep_no_reasoning,
+            output_dir=output_dir, skip_invalid=skip_invalid, allow_duplicate_ids=allow_duplicate_ids,
+            keep_no_reasoning=keep_no_reasoning,
             num_processes=num_processes, prompt_timeout=prompt_timeout, request_timeout=request_timeout,
             max_requests_per_minute=max_requests_per_minute, grace_period=grace_period, terminal_env=terminal_env,
             docker_image=docker_image, sandbox=sandbox, keep_workdirs=keep_workdirs, command_timeout=command_timeout,
@@ -481,6 +483,8 @@ class BatchRunner:
                 raise UsageError(str(err)) from None
             if scan.errors:
                 self._report_bad_lines(scan)
+            if scan.duplicate_ids and not config.allow_duplicate_ids:
+                self._refuse_duplicate_ids(scan)
             if not scan.rows:
                 raise UsageError(f"{config.dataset_file}: no valid rows")
             self._print_header(scan)
@@ -554,6 +558,18 @@ class BatchRunner:
             )
         print(f"⚠️  Skipping {len(errors)} invalid line(s) of {scan.path} (--skip_invalid):")
         print("\n".join(lines))
+
+    def _refuse_duplicate_ids(self, scan) -> None:
+        """An `id` names one row: two rows with the same one would both reach trajectories.jsonl."""
+        duplicates = scan.duplicate_ids
+        shown = duplicates[:50]
+        lines = [f"   {scan.path}:{line_no}: duplicate id {row_id!r} (first on line {first})"
+                 for line_no, row_id, first in shown]
+        if len(duplicates) > len(shown):
+            lines.append(f"   ... and {len(duplicates) - len(shown)} more")
+        print("\n".join(lines), file=sys.stderr)
+        raise UsageError(f"{scan.path}: {len(duplicates)} duplicate id(s) (listed above); make each row's id "
+                         "unique or pass --allow_duplicate_ids to run them all")
 
     def _print_header(self, scan) -> None:
         c = self.config

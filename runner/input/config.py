@@ -100,6 +100,7 @@ class RunConfig(BaseModel):
     seed_drawn: bool = False
     keep_no_reasoning: bool = False
     skip_invalid: bool = False
+    allow_duplicate_ids: bool = False  # rows may share an `id` (refused by default: it names one row)
     verbose: bool = False
     log_prefix_chars: StrictInt = Field(default=100, ge=0)
     prompt_timeout: StrictFloat | None = Field(default=None, gt=0)  # wall-clock limit of one prompt, seconds

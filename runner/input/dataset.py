@@ -85,6 +85,7 @@ class DatasetScan:
     key_to_index: dict[str, int] = field(default_factory=dict)
     ids: dict[str, str] = field(default_factory=dict)  # row key -> id, for the rows that have one
     errors: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
+    duplicate_ids: list[tuple[int, str, int]] = field(default_factory=list)  # (line, id, the id's first line)
     images: set[str] = field(default_factory=set)
     mtime_ns: int = 0  # the file as it was when the scan started (to see whether it changed since)
     size: int = 0
@@ -204,13 +205,19 @@ def scan_dataset(
         raise DatasetError(f"Dataset file not found: {path}")
     stat = path.stat()
     scan = DatasetScan(path=path, mtime_ns=stat.st_mtime_ns, size=stat.st_size)
+    first_line_of: dict[str, int] = {}  # id -> the line that has it first
     for line_no, _raw, row, error, key in _walk(path, max_samples, require_image, cwd_error, row_error):
         if row is None:
             scan.errors.append((line_no, error or "invalid"))
             continue
         scan.key_to_index[key] = len(scan.key_to_index)
         if row.id is not None:
-            scan.ids[key] = str(row.id)
+            row_id = str(row.id)  # 7 and "7" are one id: every output carries it as text
+            scan.ids[key] = row_id
+            if row_id in first_line_of:
+                scan.duplicate_ids.append((line_no, row_id, first_line_of[row_id]))
+            else:
+                first_line_of[row_id] = line_no
         image = row.image or row.docker_image
         if image:
             scan.images.add(image)

@@ -75,6 +75,7 @@ FLAGS: list[Flag] = _flags(
                       "without it one is drawn for the run and recorded in config.json."),
     ("output_dir", CONFIG, "Parent of the run folder."),
     ("skip_invalid", "off", "Run the valid rows of a dataset that has invalid lines."),
+    ("allow_duplicate_ids", "off", "Accept rows that share an 'id' (refused by default)."),
     ("keep_no_reasoning", "off", "Keep rows whose model never reasoned."),
     ("overwrite", "off", "Delete the run's earlier outputs and start again."),
     ("allow_config_change", "off", "Let --resume continue with a changed configuration."),

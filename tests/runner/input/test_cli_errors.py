@@ -181,3 +181,24 @@ def test_docker_row_without_image_is_refused_before_anything_runs(tmp_path):
     assert "d.jsonl:1:" not in proc.stderr
     assert "Checking" not in proc.stdout  # no image was looked at, let alone pulled
     assert not (tmp_path / "data" / "r").exists() or not list((tmp_path / "data" / "r").glob("batch_*"))
+
+
+def test_duplicate_ids_are_refused_naming_the_lines_unless_allowed(tmp_path, model_server, remote_args):
+    rows = [{"prompt": "First.", "id": "a"}, {"prompt": "Second.", "id": 7}, {"prompt": "Third.", "id": "a"},
+            {"prompt": "Fourth."}, {"prompt": "Fifth."}, {"prompt": "Sixth.", "id": "7"}]
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    args = ["--dataset_file=d.jsonl", "--run_name=r", "--batch_size=2", "--distribution=minimal", *remote_args]
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr
+    # Each repeated id is named with its line and the line that has it first (7 and "7" are one id: "7").
+    assert "d.jsonl:3: duplicate id 'a' (first on line 1)" in err, err
+    assert "d.jsonl:6: duplicate id '7' (first on line 2)" in err, err
+    assert "2 duplicate id(s)" in err and "--allow_duplicate_ids" in err, err
+    assert "d.jsonl:4:" not in err and "d.jsonl:5:" not in err  # rows without an id are never duplicates
+    assert model_server.count() == 0 and not list((tmp_path / "data").glob("r/batch_*"))
+
+    proc = run_cli(args + ["--allow_duplicate_ids"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = (tmp_path / "data" / "r" / "trajectories.jsonl").read_text().splitlines()
+    assert len(kept) == 6
