@@ -42,6 +42,7 @@ if __name__ == "__main__":  # first thing, before the heavy imports; never when 
     # interpreter starts waits here instead of killing it or raising KeyboardInterrupt in its imports.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 
+import functools
 import re
 import time
 import uuid
@@ -136,6 +137,7 @@ def main(
     judge_model: str = None,
     judge_base_url: str = None,
     judge_rubric: str = None,
+    rescore: bool = False,
 ):
     """Run a JSONL dataset of prompts through the agent (see README.md for every flag).
 
@@ -148,6 +150,12 @@ def main(
     try:
         if report:
             raise SystemExit(_report_only(output_dir, run_name, report_samples))
+        if rescore:
+            raise SystemExit(_rescore_only(
+                output_dir=output_dir, run_name=run_name or "", report_samples=report_samples, api_key=api_key,
+                scorer=scorer, pass_threshold=pass_threshold, verify_command=verify_command,
+                verify_timeout=verify_timeout, judge_model=judge_model, judge_base_url=judge_base_url,
+                judge_rubric=judge_rubric))
         config = build_config(
             dataset_file=dataset_file, batch_size=batch_size, run_name=run_name, distribution=distribution,
             model=model, api_key=api_key, base_url=base_url, max_turns=max_turns, num_workers=num_workers,
@@ -220,6 +228,59 @@ def _report_only(output_dir: Any, run_name: Any, report_samples: Any) -> int:
         lock.release()
     print(f"📄 Report written to {path} (statistics.json and trajectories.jsonl rebuilt with it)")
     return EXIT_OK
+
+
+def _rescore_only(*, output_dir: Any, run_name: Any, api_key: Any, scorer: Any, **flags: Any) -> int:
+    """`--rescore --run_name=NAME --scorer=...`: the committed samples scored again (the judge's
+    requests only) into rescores.jsonl, then the outputs rebuilt, under the run lock."""
+    from runner.input.config import ReportOptions, RescoreOptions
+    from runner.input.secrets import register
+    from runner.output.finalize import RebuildError, rebuild_outputs
+    from runner.output.report import run_config
+    from runner.scoring.rescore import check_scorers, rescore_run
+    from runner.scoring.scorers import scorer_names
+    from runner.storage.lock import RunLock, RunLockBusy
+
+    where = _validated(ReportOptions, output_dir=output_dir, run_name=run_name)
+    run_dir = Path(where.output_dir) / where.run_name
+    if not (run_dir / "config.json").exists():
+        raise UsageError(f"{run_dir} holds no run (no config.json)")
+    saved = run_config(run_dir)[1]
+    options = _validated(
+        RescoreOptions, output_dir=output_dir, run_name=run_name, scorer=_checked(scorer_names, scorer),
+        api_key=_api_key(api_key), base_url=saved.get("base_url"), request_timeout=saved.get("request_timeout"),
+        max_requests_per_minute=saved.get("max_requests_per_minute"), prices=saved.get("prices"), **flags)
+    register(options.api_key.get_secret_value() if options.api_key else None)  # redacted from every line
+    _checked(check_scorers, options.scorer)
+    make_judge = None
+    if "judge" in options.scorer:
+        options.judge_base_url = options.judge_base_url or options.base_url
+        _checked(check_scoring, options)
+        make_judge = functools.partial(_judge_client, options)
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire(print)
+    except RunLockBusy as err:  # a live run's samples are not all committed yet
+        raise UsageError(str(err)) from None
+    try:
+        scored = rescore_run(run_dir, options, make_judge=make_judge, log=print)
+        path = rebuild_outputs(run_dir, max_full_conversations=options.report_samples)
+    except (RebuildError, ValueError) as err:  # RescoreError, a scorer that cannot be used
+        raise UsageError(str(err)) from None
+    finally:
+        lock.release()
+    print(f"🎯 Rescored {plural(scored, 'sample')} with {', '.join(options.scorer)} (rescores.jsonl); "
+          f"{path.name}, statistics.json and trajectories.jsonl rebuilt")
+    return EXIT_OK
+
+
+def _judge_client(options):
+    from agent.model_client import ModelClient, RetryPolicy
+    from runner.scoring.rescore import CONCURRENT
+
+    return ModelClient(options.judge_base_url, options.api_key.get_secret_value() if options.api_key else None,
+                       max_in_flight=CONCURRENT, requests_per_minute=options.max_requests_per_minute,
+                       policy=RetryPolicy(request_timeout=options.request_timeout))
 
 
 def _validated(schema, /, **values: Any):

@@ -225,6 +225,33 @@ class ReportOptions(BaseModel):
     report_samples: StrictInt = RunConfig.model_fields["report_samples"]
 
 
+class RescoreOptions(BaseModel):
+    """What `--rescore` reads: the run, the scorers and the judge, checked and defaulted as for a
+    run; the endpoint, key and prices default to the run's (config.json)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: str = RunConfig.model_fields["output_dir"]
+    run_name: RunName
+    report_samples: StrictInt = RunConfig.model_fields["report_samples"]
+    scorer: list[str] = Field(default_factory=list)
+    pass_threshold: StrictFloat = RunConfig.model_fields["pass_threshold"]
+    verify_command: str | None = None
+    verify_timeout: StrictFloat = RunConfig.model_fields["verify_timeout"]
+    judge_model: str | None = None
+    judge_base_url: str | None = None
+    judge_rubric: str | None = None
+    base_url: str | None = None  # the run's (the judge's default endpoint)
+    api_key: SecretStr | None = Field(default=None, exclude=True)
+    request_timeout: StrictFloat = RunConfig.model_fields["request_timeout"]
+    max_requests_per_minute: StrictFloat | None = None
+    prices: Prices | None = None
+
+    @property
+    def request_prices(self) -> Prices | None:
+        return self.prices
+
+
 def flag_default(name: str) -> str | None:
     """The default of the flag that sets this field, as `--help` shows it (None: no such field)."""
     for model in (RunConfig, ToolSettings):

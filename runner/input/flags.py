@@ -116,6 +116,7 @@ FLAGS: list[Flag] = _flags(
     ("judge_model", "", "Model of the judge scorer."),
     ("judge_base_url", "--base_url", "OpenAI-compatible endpoint of the judge model."),
     ("judge_rubric", "the row's rubric", "What the judge is told to look for, for every row."),
+    ("rescore", "", "With --run_name and --scorer: score the committed samples again (judge requests only), rebuild the outputs and exit."),
 )
 FLAG_NAMES = [flag.name for flag in FLAGS]
 

@@ -69,10 +69,11 @@ def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None
                 handle = handles.get(winner.file_no) or handles.setdefault(winner.file_no, open(files[winner.file_no], "rb"))
                 handle.seek(winner.offset)
                 line = handle.read(winner.length)
-                if winner.prompt_index != index or winner.row_id != row_id:
+                if winner.prompt_index != index or winner.row_id != row_id or winner.rescored is not None:
                     # The dataset was edited: the row keeps its identity but gets its current
-                    # position and id (a row appended or moved, an id changed alone).
-                    line = relocated_line(line, index, row_id)
+                    # position and id (a row appended or moved, an id changed alone); or the
+                    # sample was rescored: it gets its latest scores.
+                    line = relocated_line(line, index, row_id, winner.rescored)
                 out.write(line)  # committed lines were serialised by the store: copy them as they are
             out.flush()
             os.fsync(out.fileno())
@@ -111,8 +112,8 @@ def print_summary(stats: dict, run_dir: Path, out=print, headline: str = "BATCH 
         + (f" over {run['invocations']} invocations" if run["invocations"] > 1 else ""))
     out(_spend_line("🔢 Spent (every attempt)", stats["spend"]["all"]) + f"; retries {stats['retries']:,}")
     for bucket, label in (("kept", "kept rows"), ("discarded", "discarded rows"), ("failed", "failed attempts"),
-                          ("other", "other lines")):
-        if stats["spend"][bucket]["attempts"]:
+                          ("other", "other lines"), ("rescoring", "rescoring (--rescore)")):
+        if stats["spend"].get(bucket, {}).get("attempts"):
             out(_spend_line(f"     on {label}", stats["spend"][bucket]))
     models = stats.get("spend_by_model") or {}
     if len(models) > 1:  # tools called other models: what each cost

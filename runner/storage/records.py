@@ -139,6 +139,47 @@ class Metadata(_Model):
         return data
 
 
+class RescoreRecord(_Model):
+    """A line of rescores.jsonl: what `--rescore` made of one committed ok line (named by its row
+    key, the invocation that made it and its attempt), and what the judge's requests spent. The
+    run view puts these scores in place of the line's own (the last rescore of a line wins);
+    the batch files are never rewritten."""
+
+    row_key: str
+    run_id: str
+    attempt: int
+    scores: list[ScoreEntry]
+    usage: UsageRecord = Field(default_factory=UsageRecord)
+    rescore_id: str  # the --rescore invocation
+    timestamp: str
+
+
+RESCORES_FILE = "rescores.jsonl"
+
+
+def read_rescores(path: Any) -> tuple[dict[tuple[str, str, int], list[dict]], list[dict]]:
+    """rescores.jsonl: (row key, run id, attempt) -> the latest scores, and the usage of every
+    line (what rescoring spent). A line that is not a rescore record is skipped."""
+    latest: dict[tuple[str, str, int], list[dict]] = {}
+    usages: list[dict] = []
+    try:
+        handle = open(path, "rb")
+    except FileNotFoundError:
+        return latest, usages
+    with handle:
+        for line in handle:
+            if not line.endswith(b"\n"):
+                break  # an unfinished tail (a crash mid-write) is not a line
+            try:
+                record = RescoreRecord.model_validate_json(line)
+            except ValidationError:
+                continue
+            data = record.model_dump(mode="json")
+            latest[(record.row_key, record.run_id, record.attempt)] = data["scores"]
+            usages.append({"row_key": record.row_key, "timestamp": record.timestamp, "usage": Usage.read(data["usage"])})
+    return latest, usages
+
+
 class ToolCounts(_Model):
     count: int = 0
     success: int = 0
@@ -362,11 +403,14 @@ def stamp_batch(record: dict, model: Record, batch_num: int) -> None:
     model.metadata.batch_num = record["metadata"]["batch_num"] = batch_num
 
 
-def relocated_line(line: bytes, prompt_index: int, row_id: str) -> bytes:
-    """A committed line with the row's current position and id (the dataset was edited)."""
+def relocated_line(line: bytes, prompt_index: int, row_id: str, scores: list[dict] | None = None) -> bytes:
+    """A committed line with the row's current position and id (the dataset was edited), and its
+    latest scores when it was rescored."""
     record = orjson.loads(line)
     record["prompt_index"] = prompt_index
     record["metadata"]["id"] = row_id
+    if scores is not None:
+        record["metadata"]["scores"] = scores
     return orjson.dumps(record) + b"\n"
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.usage import COUNT_FIELDS, TOKEN_FIELDS, Spend
-from runner.storage.records import OUTCOME_RANK, LineFields, read_line
+from runner.storage.records import OUTCOME_RANK, RESCORES_FILE, LineFields, read_line, read_rescores
 from runner.storage.spendtally import SpendTally
 from tools.registry import all_tool_names
 
@@ -58,6 +58,7 @@ class RowEntry:
     error_class: str | None = None
     row_id: str = ""  # metadata.id of the winning line
     detail: Any = None  # what the view's `detail` hook made of the winning line (the report's summary)
+    rescored: list | None = None  # the winning line's latest scores when --rescore gave it some (rescores.jsonl)
 
     def beaten_by(self, rank: int) -> bool:
         """THE rule: a strictly better outcome wins; the first line of an outcome stays."""
@@ -163,6 +164,19 @@ class RunView:
         self.spans: dict[str, list] = {}  # run_id -> [first start, last end, lines], from line timestamps
         # spend by model, retried attempts and spend over time (the merge and the report need them)
         self.cost = SpendTally() if tally else None
+        # (row key, run id, attempt) -> scores of a committed ok line given by --rescore
+        self.rescores: dict[tuple[str, str, int], list[dict]] = {}
+
+    def read_rescores(self, run_dir: Path) -> None:
+        """rescores.jsonl: its scores replace those of the lines they name; what its judge
+        requests spent is the "rescoring" spend (a bucket only runs that were rescored have)."""
+        self.rescores, usages = read_rescores(Path(run_dir) / RESCORES_FILE)
+        if usages:
+            self.spend["rescoring"] = Spend()
+        for item in usages:
+            self.spend["rescoring"].add(item["usage"], None)
+            if self.cost is not None:
+                self.cost.add("rescoring", item["row_key"], item["timestamp"], item["usage"])
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -207,6 +221,7 @@ class RunView:
         entry.attempts += 1
         if outcome == "failed":
             entry.failures += 1
+        rescored = self._rescore(fields) if self.rescores and outcome == "ok" else None
         if outcome == "ok" and (bad := invalid_tool(fields.raw)):
             self.filtered += 1
             where = self.files[file_no].name if 0 <= file_no < len(self.files) else "a new line"
@@ -219,6 +234,7 @@ class RunView:
         entry.rank, entry.prompt_index = rank, fields.prompt_index
         entry.file_no, entry.line_no, entry.offset, entry.length = file_no, line_no, offset, length
         entry.error_class, entry.row_id = fields.error_class, fields.row_id
+        entry.rescored = rescored
         if outcome == "ok":
             self._spend("kept", fields)
             if self.tally:
@@ -227,6 +243,14 @@ class RunView:
             self._spend(outcome, fields)
         if self.detail is not None:
             entry.detail = self.detail(fields, entry)
+
+    def _rescore(self, fields: LineFields) -> list | None:
+        """Put the line's latest rescore in place of its own scores; those scores, if it had one."""
+        metadata = fields.metadata
+        scores = self.rescores.get((fields.key, fields.run_id, metadata.get("attempt")))
+        if scores is not None:
+            metadata["scores"] = scores
+        return scores
 
     def _spend(self, bucket: str, fields: LineFields) -> None:
         self.spend[bucket].add(fields.usage, fields.duration)
@@ -309,6 +333,8 @@ class RunView:
 def read_run(files: list[Path], view: RunView) -> RunView:
     """Read every batch file (in order) into `view`."""
     view.files = list(files)
+    if files:
+        view.read_rescores(files[0].parent)
     for file_no, path in enumerate(files):
         view.read_file(file_no, path)
     return view

@@ -71,7 +71,7 @@ def batch_files(run_dir: Path) -> list[Path]:
 
 # What the runner writes into a run directory; --overwrite removes these and nothing else.
 OWN_FILES = ("checkpoint.json", "statistics.json", "trajectories.jsonl", "config.json", "report.html", "status.json",
-             "status_history.jsonl")
+             "status_history.jsonl", "rescores.jsonl")
 _OWN_FILE = re.compile(
     r"^(batch_\d+\.jsonl(\.torn)?"
     r"|\.(checkpoint|statistics|trajectories|config|report|status)_[A-Za-z0-9_]+\.tmp)$"  # atomic-write temp files

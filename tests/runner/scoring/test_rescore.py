@@ -1,0 +1,95 @@
+"""--rescore: the committed samples scored again from their lines (judge requests only), the
+outputs rebuilt under the run lock, the batch files untouched; scorers that need the sample's
+environment refused with nothing changed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.conftest import SECRET_KEY, read_jsonl, run_cli, write_jsonl
+
+ROWS = [
+    {"prompt": "@answer The capital is Paris.\nCapital of France?", "target": "paris"},
+    {"prompt": "@answer paris\n@grade I\nSay the capital.", "target": ["Paris", "Lyon"]},
+    {"prompt": "@fail 400 1\nFails once.", "target": "x"},
+]
+
+
+def _snapshot(run: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(run.iterdir()) if p.is_file() and p.name != ".lock"}
+
+
+def _first_run(tmp_path, remote_args):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--distribution=terminal_only",
+                    *remote_args, "--scorer=includes"], tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # one row failed
+    return tmp_path / "data" / "r"
+
+
+def _rescore(tmp_path, *flags, env=None):
+    return run_cli(["--run_name=r", "--rescore", *flags], tmp_path, env=env)
+
+
+def _scores(run: Path) -> dict[str, list[tuple[str, float, bool]]]:
+    return {t["conversations"][1]["value"].splitlines()[-1]: [(e["scorer"], e["value"], e["passed"])
+                                                           for e in t["metadata"]["scores"]]
+            for t in read_jsonl(run / "trajectories.jsonl")}
+
+
+def test_rescore_replaces_the_scores_without_an_agent_request(tmp_path, model_server, remote_args):
+    run = _first_run(tmp_path, remote_args)
+    batches = {name: data for name, data in _snapshot(run).items() if name.startswith("batch_")}
+    agent_requests = model_server.count()
+    proc = _rescore(tmp_path, "--scorer=exact,judge", "--judge_model=judge-model",
+                    env={"OPENROUTER_API_KEY": SECRET_KEY})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Rescored 2 samples with exact, judge" in proc.stdout
+    assert _scores(run) == {"Capital of France?": [("exact", 0.0, False), ("judge", 1.0, True)],
+                            "Say the capital.": [("exact", 1.0, True), ("judge", 0.0, False)]}
+    judged = model_server.requests[agent_requests:]
+    assert len(judged) == 2 and all(r.body["model"] == "judge-model" for r in judged)
+    assert all(r.headers["authorization"] == f"Bearer {SECRET_KEY}" for r in judged)
+    assert {n: d for n, d in _snapshot(run).items() if n.startswith("batch_")} == batches  # never rewritten
+    stats = json.loads((run / "statistics.json").read_text())
+    assert stats["spend"]["rescoring"]["requests"] == 2 and stats["spend_by_model"]["judge-model"]["requests"] == 2
+    assert stats["spend"]["all"]["requests"] == sum(stats["spend"][b]["requests"] for b in stats["spend"] if b != "all")
+    assert "judge-model" in (run / "report.html").read_text()
+    assert SECRET_KEY not in (run / "rescores.jsonl").read_text()
+
+    # --report and a later rescore: the latest scores are the sample's.
+    assert run_cli(["--run_name=r", "--report"], tmp_path).returncode == 0
+    assert _scores(run)["Capital of France?"] == [("exact", 0.0, False), ("judge", 1.0, True)]
+    assert _rescore(tmp_path, "--scorer=includes", "--pass_threshold=2").returncode == 0
+    assert _scores(run) == {"Capital of France?": [("includes", 1.0, False)], "Say the capital.": [("includes", 1.0, False)]}
+    assert len(model_server.requests) == agent_requests + 2
+
+    # A resume runs the failed row with the run's scorers; the rescored samples keep theirs.
+    dataset = tmp_path / "d.jsonl"
+    proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--distribution=terminal_only",
+                    *remote_args, "--scorer=includes", "--resume"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    scores = _scores(run)
+    assert scores["Fails once."] == [("includes", 0.0, False)] and scores["Capital of France?"] == [("includes", 1.0, False)]
+
+
+def test_rescore_refuses_scorers_that_need_the_environment(tmp_path, model_server, remote_args):
+    run = _first_run(tmp_path, remote_args)
+    before = _snapshot(run)
+    requests = model_server.count()
+    (tmp_path / "env_scorer.py").write_text("def check(sample):\n    return sample.exec('true').exit_code == 0\n")
+    for flags, message in [
+        (["--scorer=includes,command", "--verify_command=true"], "--rescore cannot use --scorer=command"),
+        (["--scorer=env_scorer.py:check"], "--rescore cannot use --scorer=env_scorer.py:check: it calls sample.exec"),
+        ([], "--rescore needs --scorer"),
+        (["--scorer=judge"], "--scorer=judge needs --judge_model"),
+        (["--scorer=nosuch"], "unknown scorer 'nosuch'"),
+    ]:
+        proc = _rescore(tmp_path, *flags)
+        assert proc.returncode == 1, (flags, proc.stdout + proc.stderr)
+        assert message in proc.stderr, (flags, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert _snapshot(run) == before and model_server.count() == requests
+    proc = run_cli(["--run_name=nothere", "--rescore", "--scorer=includes"], tmp_path)
+    assert proc.returncode == 1 and "holds no run" in proc.stderr
