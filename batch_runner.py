@@ -236,7 +236,7 @@ def _rescore_only(*, output_dir: Any, run_name: Any, api_key: Any, scorer: Any, 
     from runner.input.config import ReportOptions, RescoreOptions
     from runner.input.secrets import register
     from runner.output.finalize import RebuildError, rebuild_outputs
-    from runner.output.report import run_config
+    from runner.storage.runfiles import ConfigFile, read_config
     from runner.scoring.rescore import check_scorers, rescore_run
     from runner.scoring.scorers import scorer_names
     from runner.storage.lock import RunLock, RunLockBusy
@@ -245,7 +245,7 @@ def _rescore_only(*, output_dir: Any, run_name: Any, api_key: Any, scorer: Any, 
     run_dir = Path(where.output_dir) / where.run_name
     if not (run_dir / "config.json").exists():
         raise UsageError(f"{run_dir} holds no run (no config.json)")
-    saved = run_config(run_dir)[1]
+    saved = (read_config(run_dir) or ConfigFile()).config
     options = _validated(
         RescoreOptions, output_dir=output_dir, run_name=run_name, scorer=_checked(scorer_names, scorer),
         api_key=_api_key(api_key), base_url=saved.get("base_url"), request_timeout=saved.get("request_timeout"),

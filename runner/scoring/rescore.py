@@ -47,13 +47,13 @@ def rescore_run(run_dir: Path, options: Any, *, make_judge: Callable[[], Any] | 
     how many were scored. The caller holds the run lock and rebuilds the outputs after."""
     from runner.input.dataset import iter_rows, scan_dataset
     from runner.input.secrets import redact_bytes
-    from runner.output.report import run_config
+    from runner.storage.runfiles import ConfigFile, read_config
     from runner.storage.records import RESCORES_FILE, RescoreRecord, UsageRecord
     from runner.storage.runview import OK_RANK, RunView, read_run
     from runner.storage.store import batch_files
 
     scorers = check_scorers(options.scorer)
-    config = run_config(run_dir)[1]
+    config = (read_config(run_dir) or ConfigFile()).config
     dataset_file, max_samples = config.get("dataset_file"), config.get("max_samples")
     if not isinstance(dataset_file, str) or not Path(dataset_file).is_file():
         raise RescoreError(f"--rescore reads the rows' targets and rubrics from the run's dataset, and {dataset_file!r} "

@@ -246,10 +246,9 @@ class RunView:
 
     def _rescore(self, fields: LineFields) -> list | None:
         """Put the line's latest rescore in place of its own scores; those scores, if it had one."""
-        metadata = fields.metadata
-        scores = self.rescores.get((fields.key, fields.run_id, metadata.get("attempt")))
+        scores = self.rescores.get((fields.key, fields.run_id, fields.meta.attempt))
         if scores is not None:
-            metadata["scores"] = scores
+            fields.raw["metadata"]["scores"] = scores
         return scores
 
     def _spend(self, bucket: str, fields: LineFields) -> None:
