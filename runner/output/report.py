@@ -85,6 +85,7 @@ class _Row:
     reasoning: tuple[int, int, int] | None  # total, with, without
     completed: bool
     partial: bool
+    scores: tuple[tuple[str, float, bool, str], ...] = ()  # metadata.scores: (scorer, value, passed, explanation)
 
     @property
     def file_no(self) -> int:
@@ -175,7 +176,47 @@ def _make_row(fields: LineFields, entry: RowEntry) -> _Row:
         turns=turns, reasoning=reasoning,
         completed=bool(record.get("completed")),
         partial=bool(record.get("partial")),
+        scores=_scores_of(record["metadata"].get("scores")),
     )
+
+
+def _scores_of(raw: Any) -> tuple[tuple[str, float, bool, str], ...]:
+    """A line's scores (its latest rescore's, which the run view put in place), as plain tuples."""
+    if not isinstance(raw, list):
+        return ()
+    scores = []
+    for entry in raw:
+        if isinstance(entry, dict) and isinstance(entry.get("value"), (int, float)):
+            scores.append((str(entry.get("scorer") or ""), float(entry["value"]), entry.get("passed") is True,
+                           _one_line(entry.get("explanation"), ERROR_CHARS)))
+    return tuple(scores)
+
+
+def _scoring(rows: list[_Row], stats: dict) -> dict | None:
+    """The scores panel: statistics.json's scoring figures (counted where statistics.json is made;
+    from the rows here only when it has none), and the distribution of the primary values."""
+    scored = [r for r in rows if r.scores and r.code in (OK, PARTIAL)]
+    if not scored:
+        return None
+    primary = Counter(round(r.scores[0][1], 4) for r in scored)
+    figures = stats.get("scoring")
+    if not isinstance(figures, dict):
+        names: list[str] = []
+        totals: dict[str, list[float]] = {}
+        for r in scored:
+            for name, value, _passed, _why in r.scores:
+                if name not in totals:
+                    names.append(name)
+                    totals[name] = [0.0, 0]
+                totals[name][0] += value
+                totals[name][1] += 1
+        passed = sum(r.scores[0][2] for r in scored)
+        figures = {"scorers": names, "samples": len(scored), "passed": passed,
+                   "mean": round(sum(r.scores[0][1] for r in scored) / len(scored), 6),
+                   "pass_at_k": {"1": round(passed / len(scored), 6)},
+                   "errors": sum(why.startswith("scorer error") for r in scored for _n, _v, _p, why in r.scores),
+                   "by_scorer": {name: round(total / count, 6) for name, (total, count) in totals.items()}}
+    return {**figures, "distribution": [[value, primary[value]] for value in sorted(primary)]}
 
 
 def report_details() -> Detail:
@@ -348,6 +389,7 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
             "retried": stats.get("spend_retried"),
             "invocations": read_invocations(run_dir) if run_dir.is_dir() else [],
         },
+        "scoring": _scoring(rows, stats),
         "retries": stats["retries"],
         "requests": stats["requests"],
         "api_calls": stats["api_calls"],
@@ -492,6 +534,8 @@ def _full_entry(fields: LineFields, row: _Row, files: list[Path], clipper: _Clip
                                     "stop_reason", "seed", "run_id") if present.get(k) is not None}
     meta["id"] = row.row_id  # the current dataset's (the run view's), not the committed one
     meta["file"] = f"{files[row.file_no].name}:{row.line_no}"
+    if row.scores:  # the run view's (a rescore's when there was one), not necessarily the line's own
+        meta["scores"] = [{"scorer": n, "value": v, "passed": p, "explanation": e} for n, v, p, e in row.scores]
     if isinstance(present.get("usage"), dict):
         meta["usage"] = present["usage"]  # as committed
     for name in ("tools_offered", "toolsets_sampled"):
@@ -563,10 +607,11 @@ def _compact_rows(rows: list[_Row], summary: dict, files: list[Path]) -> dict:
             r.turns, r.tool_calls, r.preview,
             None if r.ts is None or start is None else round(r.ts - start, 1),
             r.file_no, r.line_no, r.entry.attempts, r.error, _one_line(r.row_id, ID_CHARS),
+            r.scores[0][1] if r.scores else None, int(r.scores[0][2]) if r.scores else None,
         ])
     return {
         "fields": ["index", "outcome", "error_class", "toolsets", "tools", "turns", "tool_calls", "preview",
-                   "t", "file", "line", "attempts", "error", "id"],
+                   "t", "file", "line", "attempts", "error", "id", "score", "passed"],
         "outcomes": list(OUTCOME_NAMES),
         "toolsets": toolset_names,
         "tools": tool_names,
