@@ -101,7 +101,7 @@ def _run(flags: dict, config_file: str | None, api_key: str | None) -> int:
         counter = load_counter(options.tokenizer)
     except (OptionsError, InputError, TokenizerError) as err:
         raise UsageError(str(err)) from None
-    compressor = Compressor(options, counter)
+    compressor = Compressor(options, counter, metrics_path=_metrics_path(pairs, options))
     if counter.estimated:
         print(f"ℹ️  Token counts are an {counter.name}: pass --tokenizer=DIR_OR_NAME for a tokenizer's counts.")
     if options.dry_run:
@@ -176,8 +176,8 @@ def _compress(compressor, pairs, options) -> int:
     summary = m.run_metrics([r.tally for r in results], usage, tokenizer=compressor.counter.name,
                             estimated=compressor.counter.estimated,
                             options=options.model_dump(mode="json"), duration=time.monotonic() - started,
-                            fingerprint=compressor.options.fingerprint_fields())
-    path = _metrics_path(pairs, options)
+                            summarising=compressor.summarising_seconds)
+    path = compressor.metrics_path
     temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
     temporary.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     os.replace(temporary, path)
@@ -236,7 +236,7 @@ def _dry_run(compressor, pairs, dry_run_file) -> int:
                       f"{region.end} of {len(row.turns)} ({region.tokens:,} tokens) would be summarised")
             shown += 1
         print(f"   would compress: {plural(len(result.would_compress), 'row')}; under the limit: "
-              f"{tally.statuses['under_limit']:,}; nothing to compress (over the limit, all turns protected): "
+              f"{tally.statuses['under_limit']:,}; nothing to compress (over the limit, no turn to summarise that a summary would shorten): "
               f"{tally.statuses['nothing_to_compress']:,}; without conversations: {tally.without_conversations:,}")
         print(f"   tokens: {tally.tokens_before:,}, about {result.estimated_after:,} after")
     if shown > SHOWN_DRY_RUN_ROWS:

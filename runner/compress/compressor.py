@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -52,12 +53,13 @@ class FileResult:
 
 
 class Compressor:
-    def __init__(self, options: CompressOptions, counter: TokenCounter, say: Callable[[str], None] = print):
+    def __init__(self, options: CompressOptions, counter: TokenCounter, metrics_path: Path | None = None):
         self.options = options
+        self.metrics_path = metrics_path  # the run's metrics JSON: --resume after a whole run reads it
         self.counter = counter
-        self.say = say
         self.stopping = ""
         self.fatal_message = ""
+        self.summarising_seconds = 0.0  # from the first summary request to the last answer, every file
 
     # -- one row, decided without the model ------------------------------------------------
 
@@ -82,7 +84,8 @@ class Compressor:
         if total > options.target_max_tokens:
             region = choose_region([t["from"] for t in row.turns], counts, options.target_max_tokens,
                                    options.summary_target_tokens, options.protect_last_n_turns)
-            if region is not None:
+            # A summary of the target size must save something, or the request is money for nothing.
+            if region is not None and region.tokens > options.summary_target_tokens:
                 return Pending(index, row, counts, region)
             status = m.NOTHING_TO_COMPRESS
         n = len(row.turns)
@@ -126,6 +129,7 @@ class Compressor:
                              prompt_caching="off")
         summariser = Summariser(client, options.summary_model, options.summary_target_tokens)
         queue = iter(pending)
+        started = time.monotonic()  # after the client's start-up (the SDK's import takes seconds)
 
         async def worker() -> None:
             for item in queue:  # one iterator shared by the workers: each row is taken once
@@ -151,6 +155,7 @@ class Compressor:
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
+            self.summarising_seconds += time.monotonic() - started
             await client.close()
 
     # -- one file ---------------------------------------------------------------------------
@@ -166,17 +171,21 @@ class Compressor:
     def compress_file(self, source: Path, target: Path, bar) -> FileResult:
         rows, input_hash = read_rows(source)
         rows = sample(rows, self.options.sample_percent, self.options.seed)
-        result = FileResult(m.FileTally(str(source), str(target)))
-        journal = Journal.open(target, self.fingerprint(input_hash), self.options.resume)
+        fingerprint = self.fingerprint(input_hash)
+        result = FileResult(m.FileTally(str(source), str(target), fingerprint=fingerprint))
+        journal = Journal.open(target, fingerprint, self.options.resume)
         result.usage.extend(journal.earlier_usage)
+        earlier = journal.entries
+        if self.options.resume and not earlier:
+            earlier = self._written_before(target, fingerprint, len(rows), result.usage)
         decided: dict[int, tuple[bytes, dict | None]] = {}
         pending: list[Pending] = []
         for index, row in enumerate(rows):
             planned = self.plan_row(index, row)
             if not isinstance(planned, Pending):
                 decided[index] = planned
-            elif journal.entries.get(index) and journal.entries[index].status == m.COMPRESSED:
-                decided[index] = _entry_output(journal.entries[index])
+            elif earlier.get(index) and earlier[index].status == m.COMPRESSED:
+                decided[index] = _entry_output(earlier[index])
                 result.tally.resumed_rows += 1
             else:
                 pending.append(planned)
@@ -196,8 +205,31 @@ class Compressor:
         _write_atomically(target, (decided[index][0] for index in range(len(rows))))
         for index in range(len(rows)):
             result.tally.add(decided[index][1])
+        result.tally.usage = m.sum_usage(result.usage)
         journal.remove()
         return result
+
+    def _written_before(self, target: Path, fingerprint: dict, rows: int, usage: list[dict]) -> dict[int, Entry]:
+        """--resume after a whole run (its journal removed): the rows that run compressed, read from its
+        output, when its metrics show the same input and options; its spend is added to `usage`."""
+        try:
+            files = orjson.loads(self.metrics_path.read_bytes())["files"] if self.metrics_path else []
+            lines = target.read_bytes().splitlines()
+        except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+            return {}
+        entry = next((f for f in files if isinstance(f, dict) and f.get("output") == str(target)), None)
+        if entry is None or entry.get("fingerprint") != fingerprint or len(lines) != rows:
+            return {}
+        usage.append(entry.get("summariser") or {})
+        found = {}
+        for index, line in enumerate(lines):
+            try:
+                status = orjson.loads(line).get("compression_metrics", {}).get("status")
+            except (orjson.JSONDecodeError, AttributeError):
+                continue
+            if status == m.COMPRESSED:
+                found[index] = Entry(index, status, {}, line)
+        return found
 
 
 def _entry_output(entry: Entry) -> tuple[bytes, dict]:

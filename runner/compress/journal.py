@@ -3,8 +3,11 @@
 `<output>.progress` starts with a header (the fingerprint of the input and of the options that
 change a row's output), then one line per row that needed a summary request: its index, its
 status (compressed or failed), what the request spent, and the output row. Each line is
-flushed and fsynced before the next row is counted, so a Ctrl-C or a SIGKILL loses at most the
-rows in flight; a torn last line (killed mid-write) is dropped when the journal is read.
+handed to the kernel (written and flushed) before the row is counted, so a Ctrl-C or a SIGKILL
+loses at most the rows in flight; it is fsynced at most FSYNC_EVERY seconds later (and when the
+journal is closed), so a crash of the machine itself loses at most that last second of rows, and
+a summary request waits for no disk. A torn last line (killed mid-write) is dropped when the
+journal is read.
 `--resume` keeps the compressed rows (never asked for again) and retries the failed ones; the
 journal is removed once the output is written whole.
 """
@@ -12,12 +15,14 @@ journal is removed once the output is written whole.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
 JOURNAL_SUFFIX = ".progress"
+FSYNC_EVERY = 1.0  # seconds
 
 
 class JournalError(ValueError):
@@ -38,6 +43,7 @@ class Journal:
     entries: dict[int, Entry] = field(default_factory=dict)  # the latest entry of each row
     earlier_usage: list[dict] = field(default_factory=list)  # every entry's usage, the replaced ones too
     _handle: object = None
+    _synced: float = 0.0
 
     @staticmethod
     def path_for(output: Path) -> Path:
@@ -106,11 +112,15 @@ class Journal:
                              "row": orjson.Fragment(entry.row)})
         self._handle.write(line + b"\n")
         self._handle.flush()
-        os.fsync(self._handle.fileno())
+        if time.monotonic() - self._synced >= FSYNC_EVERY:
+            os.fsync(self._handle.fileno())
+            self._synced = time.monotonic()
         self.entries[entry.index] = entry
 
     def close(self) -> None:
         if self._handle is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
             self._handle.close()
             self._handle = None
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 # A row's status. Rows without `conversations` get none: they are written as they were read.
 COMPRESSED = "compressed"
 UNDER_LIMIT = "under_limit"  # already within the budget: left alone
-NOTHING_TO_COMPRESS = "nothing_to_compress"  # over the budget, but every turn is protected
+# over the budget, but every turn is protected, or the turns that may go hold no more than a summary would
+NOTHING_TO_COMPRESS = "nothing_to_compress"
 FAILED = "failed"  # no usable summary: written uncompressed
 STATUSES = (COMPRESSED, UNDER_LIMIT, NOTHING_TO_COMPRESS, FAILED)
 
@@ -52,7 +53,9 @@ class FileTally:
     over_limit: int = 0
     tokens_before: int = 0
     tokens_after: int = 0
-    resumed_rows: int = 0  # compressed by an earlier, interrupted invocation: not asked for again
+    resumed_rows: int = 0  # compressed by an earlier invocation: not asked for again
+    fingerprint: dict = field(default_factory=dict)  # the input's hash and the options that shape a row
+    usage: dict = field(default_factory=dict)  # sum_usage() of this file's summary requests, earlier ones too
 
     def add(self, metrics: dict | None) -> None:
         self.rows += 1
@@ -80,6 +83,8 @@ class FileTally:
             "tokens_after": self.tokens_after,
             "tokens_saved": self.tokens_before - self.tokens_after,
             "compression_ratio": round(self.tokens_after / self.tokens_before, 4) if self.tokens_before else 1.0,
+            "summariser": self.usage,
+            "fingerprint": self.fingerprint,
         }
 
 
@@ -92,8 +97,13 @@ def sum_usage(usages: list[dict]) -> dict:
     return total
 
 
+def _rate(totals: FileTally, seconds: float) -> float:
+    asked = totals.statuses[COMPRESSED] + totals.statuses[FAILED] - totals.resumed_rows
+    return asked / seconds if seconds > 0 else 0.0
+
+
 def run_metrics(files: list[FileTally], usage: dict, *, tokenizer: str, estimated: bool, options: dict,
-                duration: float, fingerprint: dict) -> dict:
+                duration: float, summarising: float) -> dict:
     totals = FileTally("", "")
     for tally in files:
         totals.rows += tally.rows
@@ -104,7 +114,7 @@ def run_metrics(files: list[FileTally], usage: dict, *, tokenizer: str, estimate
         totals.tokens_before += tally.tokens_before
         totals.tokens_after += tally.tokens_after
         totals.resumed_rows += tally.resumed_rows
-    summary = {k: v for k, v in totals.as_dict().items() if k not in ("input", "output")}
+    summary = {k: v for k, v in totals.as_dict().items() if k not in ("input", "output", "summariser", "fingerprint")}
     return {
         **summary,
         "tokenizer": tokenizer,
@@ -112,7 +122,9 @@ def run_metrics(files: list[FileTally], usage: dict, *, tokenizer: str, estimate
         "summariser": usage,
         "duration_seconds": round(duration, 3),
         "rows_per_second": round(totals.rows / duration, 2) if duration > 0 else 0.0,
+        # the summary requests alone: from the first one sent to the last answer
+        "summarising_seconds": round(summarising, 3),
+        "summarised_rows_per_second": round(_rate(totals, summarising), 2),
         "options": options,
-        "fingerprint": fingerprint,
         "files": [tally.as_dict() for tally in files],
     }

@@ -171,3 +171,44 @@ def test_the_dataset_loads_in_datasets(terminal_run, tmp_path):
     loaded = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp_path / "hf"))
     assert loaded.num_rows == len(read_jsonl(path))
     assert {"conversations", "metadata", "tool_stats"} <= set(loaded.column_names)
+
+
+@pytest.mark.timeout(2400)  # run alone, it makes the module's real run first (minutes on a loaded machine)
+def test_the_compressor_summarises_a_real_trajectory_with_the_real_model(real_model_server, terminal_run, tmp_path):
+    """trajectory_compressor.py over the real run's trajectories, the real model as summariser:
+    every row comes back in order, each long one compressed (or, when the small model's summary
+    is unusable, kept whole and counted), and the metrics count the requests the server saw."""
+    source = terminal_run["run_dir"] / "trajectories.jsonl"
+    rows = read_jsonl(source)
+    write_jsonl(tmp_path / "runs.jsonl", rows)
+    proxy = RecordingProxy(real_model_server.base_url)
+    proxy.start()
+    try:
+        result = run_cli(
+            ["--input=runs.jsonl", "--tokenizer=estimate", f"--base_url={proxy.base_url}",
+             f"--summary_model={MODEL_ALIAS}",
+             # Every row is over a budget of 1 token: each has a middle to summarise once its head
+             # (the first system, human, gpt and tool turns) and its last turn are kept.
+             "--target_max_tokens=1", "--protect_last_n_turns=1", "--summary_target_tokens=150",
+             "--max_concurrent_requests=1", "--per_trajectory_timeout=300"],
+            tmp_path, timeout=1200, script="trajectory_compressor.py",
+        )
+    finally:
+        proxy.stop()
+    assert result.returncode in (0, 2), f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    output = read_jsonl(tmp_path / "runs_compressed.jsonl")
+    assert [r["metadata"]["row_key"] for r in output] == [r["metadata"]["row_key"] for r in rows]
+    statuses = [r["compression_metrics"]["status"] for r in output]
+    assert "compressed" in statuses, f"{statuses}\n{result.stdout}\n{real_model_server.log_tail()}"
+    for before, after in zip(rows, output):
+        metrics = after["compression_metrics"]
+        if metrics["status"] == "compressed":
+            turns = after["conversations"]
+            summary = [t for t in turns if t["value"].startswith("[CONTEXT SUMMARY]: ")]
+            assert len(summary) == 1 and len(summary[0]["value"]) > len("[CONTEXT SUMMARY]: ")
+            assert turns[-1] == before["conversations"][-1]
+        else:
+            assert after["conversations"] == before["conversations"]
+    metrics = json.loads((tmp_path / "runs_compressed.metrics.json").read_text())
+    assert metrics["summariser"]["requests"] == len(proxy.chat_exchanges())
+    assert metrics["summariser"]["completion_tokens"] > 0

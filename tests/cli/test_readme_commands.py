@@ -58,3 +58,30 @@ def test_demo_command_works_from_a_fresh_clone(tmp_path):
     where = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-c", "import runner.storage.store as s; print(s.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(clone)), where
+
+
+def test_the_compressor_page_commands_work(tmp_path):
+    """docs/compressor.md's example, as written, with the scripted server standing in for the
+    llama.cpp server its last command names."""
+    from tests.helpers.model_server import ModelServer
+
+    page = (REPO / "docs" / "compressor.md").read_text(encoding="utf-8")
+    commands = re.findall(r"```bash\n(.*?)```", page, re.S)[0].strip().splitlines()
+    assert [c.split()[1] for c in commands] == ["batch_runner.py", "trajectory_compressor.py", "trajectory_compressor.py"]
+    (tmp_path / "data").mkdir()
+    shutil.copy(REPO / "data" / "example_prompts.jsonl", tmp_path / "data")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENROUTER_API_KEY", "OPENAI_API_KEY")}
+    env["PYTHONPATH"] = str(REPO)
+    with ModelServer() as server:
+        for command in commands:
+            command = command.replace("http://127.0.0.1:8080/v1", server.base_url)
+            command = re.sub(r"^python (\S+)", lambda m: f"{sys.executable} {REPO / m.group(1)}", command)
+            proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=300)
+            assert proc.returncode == 0, command + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+            if "--dry_run" in command:
+                assert "would compress" in proc.stdout and not (tmp_path / "data/demo/trajectories_compressed.jsonl").exists()
+        assert server.count() > 0  # the example compresses something
+    rows = (tmp_path / "data/demo/trajectories.jsonl").read_text().splitlines()
+    assert len((tmp_path / "data/demo/trajectories_compressed.jsonl").read_text().splitlines()) == len(rows)
+    assert json.loads((tmp_path / "data/demo/trajectories_compressed.metrics.json").read_text())["rows_compressed"] > 0

@@ -263,3 +263,27 @@ def test_sample_percent_keeps_a_seeded_share_in_order(work):
     assert first.returncode == second.returncode == 0
     assert len(keys) == 5 and keys == sorted(keys, key=lambda k: int(k[1:]))
     assert keys == [r["metadata"]["row_key"] for r in read_jsonl(work / "runs_compressed.jsonl")]
+
+
+def test_resume_after_a_whole_run_asks_again_only_for_the_rows_that_failed(work):
+    def long2_fails(body, state):
+        if "result 8 " in body["messages"][1]["content"]:  # only long2's region reaches it
+            return error_reply(400, "the summariser refuses this one")
+        return Reply(body=chat_completion(body, SUMMARY))
+
+    with ModelServer(policy=long2_fails) as server:
+        first = compress(flags(server), work)
+        assert first.returncode == 2, described(first)
+        spent = json.loads((work / "runs_compressed.metrics.json").read_text())["summariser"]["requests"]
+        kept = {r["metadata"]["row_key"]: r for r in read_jsonl(work / "runs_compressed.jsonl") if "metadata" in r}
+        server.policy = summarised()
+        again = compress(flags(server, "--resume"), work)
+        assert again.returncode == 0, described(again)
+        assert server.count() == 3 + 1  # long0, long1, long2, then long2 again
+        done = compress(flags(server, "--resume"), work)
+        assert done.returncode == 0 and server.count() == 4  # nothing left to ask for
+    output = read_jsonl(work / "runs_compressed.jsonl")
+    assert [r["compression_metrics"]["status"] for r in output if "compression_metrics" in r] == ["compressed", "under_limit", "compressed", "compressed"]
+    assert output[0] == kept["long0"] and output[3] == kept["long1"]  # as the first run wrote them
+    metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
+    assert metrics["rows_resumed"] == 3 and metrics["summariser"]["requests"] == spent + 1
