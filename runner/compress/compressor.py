@@ -220,7 +220,8 @@ class Compressor:
         entry = next((f for f in files if isinstance(f, dict) and f.get("output") == str(target)), None)
         if entry is None or entry.get("fingerprint") != fingerprint or len(lines) != rows:
             return {}
-        usage.append(entry.get("summariser") or {})
+        if isinstance(entry.get("summariser"), dict):
+            usage.append(entry["summariser"])
         found = {}
         for index, line in enumerate(lines):
             try:

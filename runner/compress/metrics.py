@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from agent.usage import Usage
+
 # A row's status. Rows without `conversations` get none: they are written as they were read.
 COMPRESSED = "compressed"
 UNDER_LIMIT = "under_limit"  # already within the budget: left alone
@@ -89,12 +91,12 @@ class FileTally:
 
 
 def sum_usage(usages: list[dict]) -> dict:
-    """The summariser's spend over every request of every attempt (resumed invocations' too)."""
-    keys = ("requests", "retries", "prompt_tokens", "completion_tokens", "total_tokens", "unpriced_requests")
-    total = {key: sum(int(u.get(key) or 0) for u in usages) for key in keys}
-    total["cost"] = round(sum(float(u.get("cost") or 0.0) for u in usages), 8)
-    total["cost_known"] = total["unpriced_requests"] == 0
-    return total
+    """The summariser's spend over every request of every attempt (resumed invocations' too), in
+    the records' `usage` form, with `cost_known`: false when some reply reported no cost."""
+    total = Usage()
+    for usage in usages:
+        total += Usage.read(usage)
+    return {**total.as_dict(), "cost_known": total.known_cost is not None}
 
 
 def _rate(totals: FileTally, seconds: float) -> float:
