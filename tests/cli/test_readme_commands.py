@@ -85,3 +85,46 @@ def test_the_compressor_page_commands_work(tmp_path):
     rows = (tmp_path / "data/demo/trajectories.jsonl").read_text().splitlines()
     assert len((tmp_path / "data/demo/trajectories_compressed.jsonl").read_text().splitlines()) == len(rows)
     assert json.loads((tmp_path / "data/demo/trajectories_compressed.metrics.json").read_text())["rows_compressed"] > 0
+
+
+def _doc_commands(page: str) -> list[str]:
+    text = (REPO / "docs" / page).read_text(encoding="utf-8")
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        commands += [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    return commands
+
+
+def _doc_python(page: str) -> str:
+    return re.findall(r"```python\n(.*?)```", (REPO / "docs" / page).read_text(encoding="utf-8"), re.S)[0]
+
+
+@pytest.mark.slow
+def test_scoring_page_commands_work(tmp_path):
+    """docs/samples-and-scoring.md: its scoring and rescoring commands, and its Python scorers."""
+    import shlex
+
+    from tests.conftest import read_jsonl, run_cli
+
+    (tmp_path / "data").mkdir()
+    shutil.copy(REPO / "data" / "example_scored.jsonl", tmp_path / "data")
+    commands = _doc_commands("samples-and-scoring.md")
+    assert len(commands) == 2
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[:2] == ["python", "batch_runner.py"], command
+        proc = run_cli(argv[2:], tmp_path)
+        assert proc.returncode == 0, command + "\n" + proc.stdout + proc.stderr
+    run = tmp_path / "data" / "scored"
+    kept = {row["metadata"]["id"]: row["metadata"]["scores"] for row in read_jsonl(run / "trajectories.jsonl")}
+    assert [e["scorer"] for e in kept["sum"]] == ["exact", "includes"]  # the rescore's
+    assert kept["sum"][1]["passed"] and not kept["readme"][1]["passed"]
+    assert (run / "rescores.jsonl").exists()
+
+    (tmp_path / "my_scorers.py").write_text(_doc_python("samples-and-scoring.md"))
+    proc = run_cli(["--dataset_file=data/example_scored.jsonl", "--batch_size=5", "--run_name=py", "--model=mock",
+                    "--distribution=terminal_only", "--scorer=my_scorers.py:has_plan,my_scorers:short_answer"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = {row["metadata"]["id"]: row["metadata"]["scores"] for row in read_jsonl(tmp_path / "data" / "py" / "trajectories.jsonl")}
+    assert kept["plan"][0]["value"] == 1.0 and kept["plan"][0]["explanation"] == "plan.md has 3 lines"
+    assert kept["sum"][0]["value"] == 0.0 and all(scores[1]["value"] == 1.0 for scores in kept.values())
