@@ -21,6 +21,8 @@ MARKED_IMAGE = "abr-test/busybox-marked:1"
 MARKED_CONTENT = "abr-test marked image v1\n"
 # As scratch, distroless and many busybox builds come: no /etc/passwd, so no user *name* resolves.
 NO_PASSWD_IMAGE = "abr-test/busybox-nopasswd:1"
+# As scratch and distroless images come: files, but no shell at all.
+NO_SHELL_IMAGE = "abr-test/no-shell:1"
 
 
 def unavailable(reason: str):
@@ -63,6 +65,24 @@ def ensure_test_images(client) -> None:
             _rootfs_tar(extra), repository=repository, tag=tag, changes=["ENV PATH=/bin"]
         )
         client.images.get(image)
+
+
+def ensure_no_shell_image(client) -> str:
+    """An image holding a single data file: no /bin/sh, nothing to run."""
+    from docker.errors import ImageNotFound
+
+    try:
+        client.images.get(NO_SHELL_IMAGE)
+    except ImageNotFound:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            data = b"no shell here\n"
+            info = tarfile.TarInfo("data.txt")
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+        repository, tag = NO_SHELL_IMAGE.rsplit(":", 1)
+        client.api.import_image_from_data(buffer.getvalue(), repository=repository, tag=tag)
+    return NO_SHELL_IMAGE
 
 
 def _rootfs_tar(extra_files: dict[str, str] | None) -> bytes:

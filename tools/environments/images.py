@@ -37,6 +37,10 @@ def prepare_images(
         return {name: f"image '{name}' cannot be checked: cannot reach the Docker engine: {exc}" for name in names}
 
     def check(name: str) -> str | None:
+        problem = get(name)
+        return problem or shell_missing(client, name)
+
+    def get(name: str) -> str | None:
         try:
             client.images.get(name)
             report(name, "present")
@@ -60,6 +64,30 @@ def prepare_images(
 
     with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(names)))) as pool:
         return dict(zip(names, pool.map(check, names)))
+
+
+def shell_missing(client: docker.DockerClient, name: str) -> str | None:
+    """Why image `name` cannot run our commands, or None. Every command, the container's keep-alive
+    loop included, runs with `sh -c`: without /bin/sh Docker would only say "409 Conflict (container
+    is not running)". A created, never started, container shows the image's files."""
+    labels = {"abr.owner_pid": str(os.getpid()), "abr.owner_host": socket.gethostname()}  # reaped if left
+    try:
+        container = client.containers.create(name, entrypoint=["/bin/sh"], network_mode="none", labels=labels)
+    except DockerException as exc:
+        return f"image '{name}' cannot be used: {_explain(exc)}"
+    try:
+        chunks, _stat = container.get_archive("/bin/sh")
+        chunks.close()  # its presence is enough: no need to copy the file out
+        return None
+    except NotFound:
+        return f"the image '{name}' has no /bin/sh: every command runs with sh -c (use an image with a POSIX shell)"
+    except DockerException as exc:
+        return f"image '{name}' could not be inspected: {_explain(exc)}"
+    finally:
+        try:
+            container.remove(force=True)
+        except DockerException:
+            pass
 
 
 def list_containers(client: docker.DockerClient, filters: dict, attempts: int = 5) -> list:
