@@ -501,6 +501,7 @@ class BatchRunner:
         self.stop_message: str | None = None  # why the run stopped early when workers keep dying
         self._bar = None
         self._monitor = None  # runner.output.status.RunMonitor of this invocation
+        self._failed_images: dict[str, str] = {}  # image -> why it cannot be used (the backend's check)
         self._streaks: dict[str, int] = {}  # failure class -> rows in a row that failed with it
         self.started_at = datetime.now().isoformat()
 
@@ -550,6 +551,8 @@ class BatchRunner:
                 raise UsageError(f"{config.dataset_file}: no valid rows")
             self._print_header(scan)
             self._warn_if_not_isolated()
+            self._failed_images = self._prepare_images(scan)
+            self._refuse_unusable_default_image(scan)
             self._probe_endpoint()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             lock = RunLock(self.run_dir)
@@ -929,13 +932,22 @@ class BatchRunner:
         images = {image for image in scan.images | {tools.docker_image} if image}
         return backend_class(tools.terminal_env).prepare_run(tools, images, say=print, log=self.log)
 
+    def _refuse_unusable_default_image(self, scan) -> None:
+        """The run's default image is a flag: when rows need it and it cannot be used, the run
+        stops before any model call instead of failing each of those rows."""
+        image = self.config.tools.docker_image
+        why = self._failed_images.get(image or "")
+        if why and scan.rows_without_image:
+            raise UsageError(f"--docker_image={image}: {why} (needed by {plural(scan.rows_without_image, 'row')} "
+                             "that name no image)")
+
     def _execute(self, scan, store, executor, remaining: int) -> int:
         from runner.console import progress
         from runner.execution.worker import failed_record
 
         config = self.config
         monitor = self._monitor
-        failed_images = self._prepare_images(scan)
+        failed_images = self._failed_images
         counts = {"ok": 0, "failed": 0, "discarded": 0, "retries": 0}
         self._phase = "dispatch"
         print(f"\n🚀 Running {plural(remaining, 'prompt')}: {executor.describe()}\n")

@@ -87,6 +87,7 @@ class DatasetScan:
     errors: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
     duplicate_ids: list[tuple[int, str, int]] = field(default_factory=list)  # (line, id, the id's first line)
     images: set[str] = field(default_factory=set)
+    rows_without_image: int = 0  # rows that take the run's default image, if any
     mtime_ns: int = 0  # the file as it was when the scan started (to see whether it changed since)
     size: int = 0
 
@@ -221,6 +222,8 @@ def scan_dataset(
         image = row.image or row.docker_image
         if image:
             scan.images.add(image)
+        else:
+            scan.rows_without_image += 1
     if not scan.key_to_index and not scan.errors:
         raise DatasetError(f"{path}: the dataset is empty (no JSON lines)")
     return scan
