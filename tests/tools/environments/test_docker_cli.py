@@ -8,12 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
 from tests.conftest import REPO, read_jsonl, run_cli, write_jsonl
-from tests.helpers.docker_support import BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, NO_PASSWD_IMAGE, ready_client
-from tools.environments.images import list_containers
+from tests.helpers.docker_support import (BUSYBOX_IMAGE, MARKED_CONTENT, MARKED_IMAGE, NO_PASSWD_IMAGE,
+                                          ensure_no_shell_image, ready_client)
+from tools.environments.images import list_containers, reap_stale_containers
 
 pytestmark = pytest.mark.docker
 
@@ -104,6 +106,39 @@ def test_missing_image_fails_its_rows_without_model_calls(client, model_server, 
     assert len(read_jsonl(out / "trajectories.jsonl")) == 1
 
 
+def test_an_image_without_a_shell_is_named_before_any_model_call(client, model_server, run_name, tmp_path):
+    rows = [
+        {"prompt": "Needs a shell.", "image": ensure_no_shell_image(client)},
+        {"prompt": PROBE + "Fine row.", "image": BUSYBOX_IMAGE},
+    ]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = run_cli(_args(dataset, model_server, run_name), tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    out = tmp_path / "data" / run_name
+    failed = [r for p in out.glob("batch_*.jsonl") for r in read_jsonl(p) if r.get("failed")]
+    assert len(failed) == 1 and failed[0]["error_class"] == "environment"
+    assert "has no /bin/sh" in failed[0]["error"] and "409" not in failed[0]["error"], failed[0]["error"]
+    assert model_server.requests_for("Needs a shell") == []
+    assert len(read_jsonl(out / "trajectories.jsonl")) == 1
+
+
+def test_an_unusable_run_wide_image_stops_the_run_before_any_model_call(client, model_server, run_name, tmp_path):
+    rows = [{"prompt": "Takes the run's image."}, {"prompt": PROBE + "Has its own.", "image": BUSYBOX_IMAGE}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    missing = "abr-test/does-not-exist:1"
+    proc = run_cli(_args(dataset, model_server, run_name, f"--docker_image={missing}"), tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert f"--docker_image={missing}" in line and "needed by 1 row" in line, proc.stderr
+    assert model_server.requests == []  # not even the start-up probe
+    assert not (tmp_path / "data" / run_name / "trajectories.jsonl").exists()
+
+    # Every row naming its own image: the run's default is not needed, the run goes ahead.
+    dataset = write_jsonl(tmp_path / "d2.jsonl", rows[1:])
+    proc = run_cli(_args(dataset, model_server, run_name, f"--docker_image={missing}"), tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def _wait_for_containers(client, run_name: str, count: int, timeout: float = 60) -> list:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -114,22 +149,38 @@ def _wait_for_containers(client, run_name: str, count: int, timeout: float = 60)
     raise AssertionError(f"expected {count} running containers of {run_name}")
 
 
+def _on_a_host_of_its_own(hostname: str, *argv: str) -> list[str]:
+    """argv run under a hostname of its own (a UTS namespace): the containers it labels as its host's
+    are then no other run's to reap, whatever else runs on this machine meanwhile."""
+    namespace = ["unshare", "--uts"] if os.geteuid() == 0 else ["unshare", "--user", "--map-current-user", "--uts"]
+    rename = "import os, socket, sys; socket.sethostname(sys.argv[1]); os.execv(sys.argv[2], sys.argv[2:])"
+    return [*namespace, sys.executable, "-c", rename, hostname, *argv]
+
+
 def test_sigkill_leaves_containers_and_next_run_reaps_them(client, model_server, run_name, tmp_path):
     rows = [{"prompt": f'@tool terminal {{"command": "sleep 30"}}\nSleep {i}.', "image": BUSYBOX_IMAGE} for i in range(2)]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
-    proc = subprocess.Popen([sys.executable, str(REPO / "batch_runner.py"), *_args(dataset, model_server, run_name)],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    host = f"abr-test-{uuid.uuid4().hex[:12]}"
+    runner = [sys.executable, str(REPO / "batch_runner.py")]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(_on_a_host_of_its_own(host, *runner, *_args(dataset, model_server, run_name)),
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
     try:
         left = _wait_for_containers(client, run_name, 2)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole process tree: nobody is left to clean up
         proc.wait(30)
+    assert {c.labels["abr.owner_host"] for c in left} == {host}
     time.sleep(1)
+    reap_stale_containers(client, log=lambda _line: None)  # another run starting on this machine now
     assert {c.id for c in _containers(client, run_name)} >= {c.id for c in left}
-    proc = run_cli(_args(dataset, model_server, run_name, "--resume", "--command_timeout=1"), tmp_path)
+    proc = subprocess.run(
+        _on_a_host_of_its_own(host, *runner, *_args(dataset, model_server, run_name, "--resume", "--command_timeout=1")),
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("removed stale container") >= 2
+    assert proc.stdout.count("removed stale container") == 2
     assert not _containers(client, run_name)
     kept = read_jsonl(tmp_path / "data" / run_name / "trajectories.jsonl")
     assert [o[0]["content"]["exit_code"] for o in map(_tool_outputs, kept)] == [124, 124]  # sleep stopped at 1 s
