@@ -411,3 +411,36 @@ def test_cli_subprocess(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=5) == 0
+
+
+# --------------------------------------------------------------------------- #
+# Answers per conversation, and the judge
+# --------------------------------------------------------------------------- #
+
+
+def test_each_new_conversation_of_a_prompt_gets_the_next_answer(client):
+    prompt = '@tool terminal {"command": "ls"}\n@answers first | second\nSample me.'
+    interleaved = []
+    for _ in range(2):  # two conversations started before either finishes
+        history: list[dict] = []
+        first = chat(client, prompt, history).choices[0].message
+        history.append(as_history(first))
+        history.append({"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "files"})
+        interleaved.append(history)
+    answers = [chat(client, prompt, history).choices[0].message.content for history in interleaved]
+    assert answers == ["first", "second"]
+    third, _ = run_agent(client, prompt)
+    assert third[-1]["content"] == "first"  # cycling
+    assert chat(client, "@answer Just this.\nQ", tools=None).choices[0].message.content == "Just this."
+
+
+def test_a_judge_model_grades(client):
+    def judge(text: str) -> str:
+        return client.chat.completions.create(model="judge-x", messages=[{"role": "user", "content": text}]).choices[0].message.content
+
+    assert judge("[Task]\nQ\n[Answer to grade]\nA").endswith("GRADE: C")
+    assert judge("[Task]\n@grade P\nQ\n[Answer to grade]\nA").endswith("GRADE: P")
+    assert judge("[Task]\n@grade_if paris\nQ\n[Answer to grade]\nIt is Paris.").endswith("GRADE: C")
+    assert judge("[Task]\n@grade_if paris\nQ?\n[Answer to grade]\nLyon.").endswith("GRADE: I")
+    bad = "[Task]\n@grade_bad 1\nQ\n[Answer to grade]\nA"
+    assert "GRADE" not in judge(bad) and judge(bad).endswith("GRADE: C")
