@@ -124,6 +124,7 @@ def main(
     sessions_per_node: int = None,
     report: bool = False,
     report_samples: int = None,
+    export: str = None,
     price_input_per_mtok: float = None,
     price_output_per_mtok: float = None,
     price_cached_input_per_mtok: float = None,
@@ -156,6 +157,8 @@ def main(
                 scorer=scorer, pass_threshold=pass_threshold, verify_command=verify_command,
                 verify_timeout=verify_timeout, judge_model=judge_model, judge_base_url=judge_base_url,
                 judge_rubric=judge_rubric))
+        if export is not None and dataset_file is None:
+            raise SystemExit(_export_only(output_dir, run_name, export))
         config = build_config(
             dataset_file=dataset_file, batch_size=batch_size, run_name=run_name, distribution=distribution,
             model=model, api_key=api_key, base_url=base_url, max_turns=max_turns, num_workers=num_workers,
@@ -164,7 +167,7 @@ def main(
             provider_sort=provider_sort, max_tokens=max_tokens, reasoning_effort=reasoning_effort,
             reasoning_disabled=reasoning_disabled, prefill_messages_file=prefill_messages_file,
             max_samples=max_samples, tool_choice=tool_choice, prompt_caching=prompt_caching, seed=seed,
-            output_dir=output_dir, skip_invalid=skip_invalid, allow_duplicate_ids=allow_duplicate_ids,
+            export=_checked(_export_formats, export), output_dir=output_dir, skip_invalid=skip_invalid, allow_duplicate_ids=allow_duplicate_ids,
             keep_no_reasoning=keep_no_reasoning,
             num_processes=num_processes, prompt_timeout=prompt_timeout, request_timeout=request_timeout,
             max_requests_per_minute=max_requests_per_minute, grace_period=grace_period, terminal_env=terminal_env,
@@ -283,6 +286,41 @@ def _judge_client(options):
                        policy=RetryPolicy(request_timeout=options.request_timeout))
 
 
+def _export_formats(value: Any) -> list[str] | None:
+    from runner.output.export import parse_formats
+
+    return None if value is None else parse_formats(value)
+
+
+def _export_only(output_dir: Any, run_name: Any, export: Any) -> int:
+    """`--export=FORMATS --run_name=NAME`: the run's exports written from its files, under the run
+    lock; nothing run."""
+    from runner.input.config import ReportOptions
+    from runner.output.export import ExportError
+    from runner.output.finalize import export_run_dir
+    from runner.storage.lock import RunLock, RunLockBusy
+    from runner.storage.runfiles import has_config
+
+    formats = _checked(_export_formats, export)
+    options = _validated(ReportOptions, output_dir=output_dir, run_name=run_name or "")
+    run_dir = Path(options.output_dir) / options.run_name
+    if not has_config(run_dir):
+        raise UsageError(f"{run_dir} holds no run (no config.json)")
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire(print)
+    except RunLockBusy as err:
+        raise UsageError(str(err)) from None
+    try:
+        print(f"📤 Exporting {run_dir}:")
+        export_run_dir(run_dir, formats)
+    except ExportError as err:
+        raise UsageError(str(err)) from None
+    finally:
+        lock.release()
+    return EXIT_OK
+
+
 def _validated(schema, /, **values: Any):
     """schema(**values) without the values left out (None: the field's default); UsageError when bad."""
     from pydantic import ValidationError
@@ -372,6 +410,8 @@ def build_config(*, api_key=None, providers_allowed=None, providers_ignored=None
     config = config.model_copy(update=_checked(cost_options, cost_flags, config.model, config.base_url))
     _require_installed(config)
     _checked(check_scoring, config)
+    if "dpo" in (config.export or []) and not config.scorer:
+        raise UsageError("--export=dpo needs scored samples: add --scorer (and several samples per prompt)")
     if config.reasoning:
         effort = config.reasoning["effort"]
         print("🧠 Reasoning: DISABLED (effort=none)" if effort == "none" else f"🧠 Reasoning effort: {effort}")
@@ -760,6 +800,7 @@ class BatchRunner:
             fingerprint=config.fingerprint(),
         ))
         print_summary(stats, self.run_dir, headline=self._headline())
+        self._write_exports(view)
         self._monitor.close(self._end_state(stats["outcomes"]))  # before the report, which shows it
         self._write_report(view, stats)
         return self._exit_code(stats["outcomes"])
@@ -840,6 +881,18 @@ class BatchRunner:
         if fresh.rows != scan.rows:
             self.log(f"ℹ️  The dataset changed during the run: {scan.rows:,} -> {fresh.rows:,} rows")
         return fresh
+
+    def _write_exports(self, view) -> None:
+        """--export with a run: the exports of what the run now holds, after the merge."""
+        if not self.config.export:
+            return
+        from runner.output.export import ExportError, export_run
+        from runner.output.finalize import kept_lines
+
+        try:
+            export_run(self.run_dir, lambda: kept_lines(view), self.config.export)
+        except ExportError as err:
+            print(f"⚠️  Not exported: {err}")
 
     def _write_report(self, view, stats) -> None:
         try:

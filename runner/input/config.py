@@ -100,6 +100,7 @@ class RunConfig(BaseModel):
     seed_drawn: bool = False
     keep_no_reasoning: bool = False
     skip_invalid: bool = False
+    export: list[str] = Field(default_factory=list)  # --export formats written at the end (runner/output/export.py)
     allow_duplicate_ids: bool = False  # rows may share an `id` (refused by default: it names one row)
     verbose: bool = False
     log_prefix_chars: StrictInt = Field(default=100, ge=0)

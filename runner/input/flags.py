@@ -103,6 +103,7 @@ FLAGS: list[Flag] = _flags(
     ("sessions_per_node", "", "Sessions per Ray node."),
     ("report", "", "With --run_name: rebuild report.html, statistics.json and trajectories.jsonl from the run's files (nothing run) and exit."),
     ("report_samples", CONFIG, "Full conversations embedded in report.html."),
+    ("export", "", "Comma list of messages, dpo: training-ready files in <run>/export/ (with a run, or alone with --run_name)."),
     ("price_input_per_mtok", "", "USD per million input tokens, for replies whose endpoint reports no cost."),
     ("price_output_per_mtok", "", "USD per million output tokens (with --price_input_per_mtok)."),
     ("price_cached_input_per_mtok", "the input price", "USD per million cached input tokens."),

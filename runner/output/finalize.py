@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -33,11 +33,29 @@ def merge_run(run_dir: Path, key_to_index: Mapping[str, int], log=print, *, ids:
     """Read the run into a view of the dataset `key_to_index` (with its current `ids`) and write
     trajectories.jsonl from it. `detail` and `on_line` are the report's hooks (see RunView)."""
     view = read_run(batch_files(run_dir), RunView(key_to_index, ids=ids, detail=detail, on_line=on_line, log=log))
-    ok_rows = sorted(
-        (*view.current(key), entry) for key, entry in view.rows.items() if entry.rank == OK_RANK
-    )
-    _write_trajectories(run_dir, view.files, ok_rows)
+    _write_trajectories(run_dir, kept_lines(view))
     return view
+
+
+def kept_lines(view: RunView) -> Iterator[bytes]:
+    """The kept rows' winning lines in trajectories.jsonl's order (by current prompt_index), each
+    with the row's current position and id: the lines of trajectories.jsonl, and what exports read."""
+    ok_rows = sorted((*view.current(key), entry) for key, entry in view.rows.items() if entry.rank == OK_RANK)
+    handles = {}
+    try:
+        for index, row_id, winner in ok_rows:
+            handle = handles.get(winner.file_no) or handles.setdefault(winner.file_no, open(view.files[winner.file_no], "rb"))
+            handle.seek(winner.offset)
+            line = handle.read(winner.length)
+            if winner.prompt_index != index or winner.row_id != row_id or winner.rescored is not None:
+                # The dataset was edited: the row keeps its identity but gets its current
+                # position and id (a row appended or moved, an id changed alone); or the
+                # sample was rescored: it gets its latest scores.
+                line = relocated_line(line, index, row_id, winner.rescored)
+            yield line  # committed lines were serialised by the store: copied as they are
+    finally:
+        for handle in handles.values():
+            handle.close()
 
 
 class RebuildError(ValueError):
@@ -59,22 +77,28 @@ def rebuild_outputs(run_dir: Path, *, max_full_conversations: int, log=print) ->
     return write_report(run_dir, max_full_conversations=max_full_conversations, view=view, statistics=stats, log=log)
 
 
-def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None:
+def export_run_dir(run_dir: Path, formats: list[str], log=print) -> dict[str, int]:
+    """`--export` alone: the exports from the run's files, against its dataset as it is now (the
+    same rows as trajectories.jsonl). The caller holds the run lock."""
+    from runner.output.export import ExportError, export_run
+
+    config = (runfiles.read_config(run_dir) or runfiles.ConfigFile()).config
+    dataset, ids = dataset_of(config)
+    if dataset is None:
+        raise ExportError(
+            f"--export selects the rows of the run's dataset, and {config.get('dataset_file')!r} "
+            f"(dataset_file in {run_dir / 'config.json'}) cannot be read; put it back and run --export again")
+    view = read_run(batch_files(run_dir), RunView(dataset, ids=ids, tally=False, log=log))
+    return export_run(run_dir, lambda: kept_lines(view), formats, log=log)
+
+
+def _write_trajectories(run_dir: Path, lines: Iterator[bytes]) -> None:
     target = run_dir / "trajectories.jsonl"
     fd, tmp = tempfile.mkstemp(prefix=".trajectories_", suffix=".tmp", dir=run_dir)
-    handles = {}
     try:
         with os.fdopen(fd, "wb") as out:
-            for index, row_id, winner in ok_rows:
-                handle = handles.get(winner.file_no) or handles.setdefault(winner.file_no, open(files[winner.file_no], "rb"))
-                handle.seek(winner.offset)
-                line = handle.read(winner.length)
-                if winner.prompt_index != index or winner.row_id != row_id or winner.rescored is not None:
-                    # The dataset was edited: the row keeps its identity but gets its current
-                    # position and id (a row appended or moved, an id changed alone); or the
-                    # sample was rescored: it gets its latest scores.
-                    line = relocated_line(line, index, row_id, winner.rescored)
-                out.write(line)  # committed lines were serialised by the store: copy them as they are
+            for line in lines:
+                out.write(line)
             out.flush()
             os.fsync(out.fileno())
         keep_mode(tmp, target)
@@ -82,9 +106,6 @@ def _write_trajectories(run_dir: Path, files: list[Path], ok_rows: list) -> None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    finally:
-        for handle in handles.values():
-            handle.close()
 
 
 def record_invocation_end(run_dir: Path, run_id: str) -> list[Invocation]:
