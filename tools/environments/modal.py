@@ -20,8 +20,8 @@ import time
 
 from pydantic import BaseModel
 
-from .base import Backend, ExecResult, SandboxError, container_image, truncate_output
-from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS
+from .base import Backend, ExecResult, FileTooLargeError, SandboxError, container_image, truncate_output
+from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS, MAX_READ_BYTES
 
 DEFAULT_CWD = "/workspace"
 KEEP_ALIVE = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done"
@@ -117,7 +117,10 @@ class ModalEnvironment(Backend):
             raise FileNotFoundError(f"{full}: no such file in the sandbox")
         if code == 2:
             raise IsADirectoryError(f"{full} is a directory")
-        return self._call(self._transfer, full, "rb")
+        data = self._call(self._transfer, full, "rb")
+        if len(data) > MAX_READ_BYTES:
+            raise FileTooLargeError(full, MAX_READ_BYTES)
+        return data
 
     def write_file(self, path: str, data: bytes) -> None:
         full = self._path(path)
@@ -145,7 +148,7 @@ class ModalEnvironment(Backend):
     def _transfer(self, path: str, mode: str, data: bytes = b"") -> bytes | None:
         handle = self._require().open(path, mode)
         try:
-            return handle.read() if mode == "rb" else handle.write(data)
+            return handle.read(MAX_READ_BYTES + 1) if mode == "rb" else handle.write(data)
         finally:
             handle.close()
 

@@ -26,8 +26,8 @@ import uuid
 import pytest
 
 from tools.environments import create_environment
-from tools.environments.base import SandboxError
-from tools.settings import ToolSettings
+from tools.environments.base import FileTooLargeError, SandboxError
+from tools.settings import MAX_READ_BYTES, ToolSettings
 
 MAX_OUTPUT = 1000
 
@@ -308,6 +308,14 @@ def test_files_round_trip_and_missing_file(make_env):
         env.read_file("no/such/file.txt")
     with pytest.raises(IsADirectoryError):
         env.read_file("deep")
+
+
+def test_reads_stop_at_the_size_limit(make_env):
+    env = make_env()
+    env.execute(f"head -c {MAX_READ_BYTES} /dev/zero > at-limit.bin && head -c {MAX_READ_BYTES + 1} /dev/zero > over.bin")
+    assert len(env.read_file("at-limit.bin")) == MAX_READ_BYTES
+    with pytest.raises(FileTooLargeError, match="larger than the 16 MiB"):
+        env.read_file("over.bin")
 
 
 def test_commands_run_in_the_workdir_or_the_given_cwd(make_env):

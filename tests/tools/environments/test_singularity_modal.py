@@ -247,8 +247,8 @@ class FakeFile:
     def __init__(self, files: dict, path: str, mode: str):
         self.files, self.path, self.mode = files, path, mode
 
-    def read(self):
-        return self.files[self.path]
+    def read(self, n=None):
+        return self.files[self.path][:n]
 
     def write(self, data):
         self.files[self.path] = data
