@@ -184,3 +184,38 @@ def _render_with_a_chat_template(tmp_path, lines: list[dict]) -> None:
             if message["role"] == "tool":
                 assert f"[result {message['tool_call_id']}]" in text
         assert text.count("<|tool|>") == sum(m["role"] == "tool" for m in line["messages"])
+
+
+def test_dpo_of_a_scored_run_with_one_sample_per_prompt_has_no_pairs(tmp_path, model_server, remote_args):
+    assert _file_run(tmp_path, remote_args).returncode == 0
+    proc = run_cli(["--export=dpo,messages", "--run_name=b"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    export = tmp_path / "data" / "b" / "export"
+    assert (export / "dpo.jsonl").read_text() == "" and len(read_jsonl(export / "messages.jsonl")) == 2
+    assert stat.S_IMODE((export / "dpo.jsonl").stat().st_mode) == 0o600
+    card = (export / "README.md").read_text()
+    assert "- config_name: dpo\n  data_files: dpo.jsonl" in card and "`dpo.jsonl`: 0 lines" in card
+
+
+def _sample(index: int, sample: int, score: float, answer: str, scored: bool = True):
+    from runner.output.export import Sample
+
+    messages = [{"role": "user", "content": f"Question {index}?"},
+                {"role": "assistant", "content": answer, "reasoning_content": ""}]
+    return Sample(prompt_index=index, id=f"q{index}", sample=sample, score=score, passed=score >= 1.0,
+                  scorer="exact" if scored else "", scored=scored, messages=messages, tools="[]", metadata={})
+
+
+def test_dpo_pairs_the_best_and_the_worst_sample_of_each_prompt():
+    from runner.output.export import dpo_lines
+
+    samples = [_sample(0, 0, 0.0, "Lyon."), _sample(0, 1, 1.0, "Paris."), _sample(0, 2, 1.0, "Paris!"),
+               _sample(0, 3, 0.5, "France."),
+               _sample(1, 0, 1.0, "Yes."), _sample(1, 1, 1.0, "Yes!"),  # equal scores: no preference
+               _sample(2, 0, 0.0, "Alone.")]  # one sample: no pair
+    lines = list(dpo_lines(samples))
+    assert lines == [{"prompt": [{"role": "user", "content": "Question 0?"}],
+                      "chosen": [{"role": "assistant", "content": "Paris.", "reasoning_content": ""}],
+                      "rejected": [{"role": "assistant", "content": "Lyon.", "reasoning_content": ""}],
+                      "tools": "[]", "id": "q0", "score_chosen": 1.0, "score_rejected": 0.0}]
+    assert list(dpo_lines([_sample(3, 0, 0.0, "a", scored=False), _sample(3, 1, 1.0, "b", scored=False)])) == []
