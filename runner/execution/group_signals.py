@@ -18,7 +18,9 @@ import contextlib
 import signal
 
 GROUP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-CANCEL_SIGNAL = signal.SIGUSR1  # the runner to one worker: cancel your sessions, clean up, exit
+# The runner to one worker: cancel your sessions, clean up, exit. A real-time signal, which no job
+# scheduler sends to a whole job (Slurm's --signal is commonly USR1 or USR2, for checkpoints).
+CANCEL_SIGNAL = int(signal.SIGRTMIN) + 1
 
 
 def _ignore(signum, frame) -> None:
