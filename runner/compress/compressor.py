@@ -63,8 +63,8 @@ class Compressor:
 
     # -- one row, decided without the model ------------------------------------------------
 
-    def _metrics(self, **values) -> dict:
-        return m.row_metrics(target=self.options.target_max_tokens, counter_name=self.counter.name,
+    def _metrics(self, row: InputRow, **values) -> dict:
+        return m.row_metrics(row_key=row.key, target=self.options.target_max_tokens, counter_name=self.counter.name,
                              estimated=self.counter.estimated, **values)
 
     def _line(self, row: InputRow, turns: list[dict], metrics: dict) -> bytes:
@@ -89,7 +89,7 @@ class Compressor:
                 return Pending(index, row, counts, region)
             status = m.NOTHING_TO_COMPRESS
         n = len(row.turns)
-        metrics = self._metrics(status=status, tokens_before=total, tokens_after=total, turns_before=n, turns_after=n)
+        metrics = self._metrics(row, status=status, tokens_before=total, tokens_after=total, turns_before=n, turns_after=n)
         return self._line(row, row.turns, metrics), metrics
 
     # -- one row, with the model ------------------------------------------------------------
@@ -110,15 +110,15 @@ class Compressor:
         if failure:
             if failure in FATAL_FAILURES and not self.stopping:
                 self.stopping, self.fatal_message = "fatal", f"the summariser cannot serve the rows ({failure}): {error}"
-            metrics = self._metrics(status=m.FAILED, tokens_before=total, tokens_after=total, turns_before=n,
+            metrics = self._metrics(row, status=m.FAILED, tokens_before=total, tokens_after=total, turns_before=n,
                                     turns_after=n, failure=failure, error=error, usage=usage)
-            return Entry(pending.index, m.FAILED, usage, self._line(row, row.turns, metrics))
+            return Entry(row.key, m.FAILED, usage, self._line(row, row.turns, metrics))
         turns = compressed_turns(row.turns, region, summary)
         after = sum(self.counter.count_many([turn["value"] for turn in turns]))
-        metrics = self._metrics(status=m.COMPRESSED, tokens_before=total, tokens_after=after, turns_before=n,
+        metrics = self._metrics(row, status=m.COMPRESSED, tokens_before=total, tokens_after=after, turns_before=n,
                                 turns_after=len(turns), turns_summarised=region.end - region.start,
                                 summary_tokens=self.counter.count(turns[region.start]["value"]), usage=usage)
-        return Entry(pending.index, m.COMPRESSED, usage, self._line(row, turns, metrics))
+        return Entry(row.key, m.COMPRESSED, usage, self._line(row, turns, metrics))
 
     async def _summarise_all(self, pending: list[Pending], journal: Journal, on_done: Callable[[Entry], None]) -> None:
         options = self.options
@@ -160,40 +160,44 @@ class Compressor:
 
     # -- one file ---------------------------------------------------------------------------
 
-    def fingerprint(self, input_hash: str) -> dict:
-        return {"input_sha256": input_hash, **self.options.fingerprint_fields()}
+    def fingerprint(self) -> dict:
+        return self.options.fingerprint_fields()
 
     def check_file(self, source: Path, target: Path) -> None:
         """Raise InputError or JournalError for what would stop this file: before any request."""
-        _, input_hash = read_rows(source)
-        Journal.check(target, self.fingerprint(input_hash), self.options.resume)
+        read_rows(source)
+        Journal.check(target, self.fingerprint(), self.options.resume)
 
     def compress_file(self, source: Path, target: Path, bar) -> FileResult:
-        rows, input_hash = read_rows(source)
+        rows, _ = read_rows(source)
         rows = sample(rows, self.options.sample_percent, self.options.seed)
-        fingerprint = self.fingerprint(input_hash)
+        fingerprint = self.fingerprint()
         result = FileResult(m.FileTally(str(source), str(target), fingerprint=fingerprint))
         journal = Journal.open(target, fingerprint, self.options.resume)
         result.usage.extend(journal.earlier_usage)
         earlier = journal.entries
         if self.options.resume and not earlier:
-            earlier = self._written_before(target, fingerprint, len(rows), result.usage)
+            earlier = self._written_before(target, fingerprint, result.usage)
         decided: dict[int, tuple[bytes, dict | None]] = {}
+        places: dict[str, list[int]] = {}  # the rows waiting for a summary, by key: equal rows share one
         pending: list[Pending] = []
         for index, row in enumerate(rows):
             planned = self.plan_row(index, row)
             if not isinstance(planned, Pending):
                 decided[index] = planned
-            elif earlier.get(index) and earlier[index].status == m.COMPRESSED:
-                decided[index] = _entry_output(earlier[index])
+            elif earlier.get(row.key) and earlier[row.key].status == m.COMPRESSED:
+                decided[index] = _entry_output(earlier[row.key])
                 result.tally.resumed_rows += 1
             else:
-                pending.append(planned)
+                if row.key not in places:
+                    pending.append(planned)
+                places.setdefault(row.key, []).append(index)
         if pending:
             bar.total = (bar.total or 0) + len(pending)
 
             def on_done(entry: Entry) -> None:
-                decided[entry.index] = _entry_output(entry)
+                for index in places[entry.key]:
+                    decided[index] = _entry_output(entry)
                 result.usage.append(entry.usage)
                 bar.update(1)
 
@@ -209,27 +213,27 @@ class Compressor:
         journal.remove()
         return result
 
-    def _written_before(self, target: Path, fingerprint: dict, rows: int, usage: list[dict]) -> dict[int, Entry]:
+    def _written_before(self, target: Path, fingerprint: dict, usage: list[dict]) -> dict[str, Entry]:
         """--resume after a whole run (its journal removed): the rows that run compressed, read from its
-        output, when its metrics show the same input and options; its spend is added to `usage`."""
+        output, when its metrics show the same options; its spend is added to `usage`."""
         try:
             files = orjson.loads(self.metrics_path.read_bytes())["files"] if self.metrics_path else []
             lines = target.read_bytes().splitlines()
         except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
             return {}
         entry = next((f for f in files if isinstance(f, dict) and f.get("output") == str(target)), None)
-        if entry is None or entry.get("fingerprint") != fingerprint or len(lines) != rows:
+        if entry is None or entry.get("fingerprint") != fingerprint:
             return {}
         if isinstance(entry.get("summariser"), dict):
             usage.append(entry["summariser"])
         found = {}
-        for index, line in enumerate(lines):
+        for line in lines:
             try:
-                status = orjson.loads(line).get("compression_metrics", {}).get("status")
+                metrics = orjson.loads(line).get("compression_metrics") or {}
             except (orjson.JSONDecodeError, AttributeError):
                 continue
-            if status == m.COMPRESSED:
-                found[index] = Entry(index, status, {}, line)
+            if metrics.get("status") == m.COMPRESSED and isinstance(metrics.get("input_row_sha256"), str):
+                found[metrics["input_row_sha256"]] = Entry(metrics["input_row_sha256"], m.COMPRESSED, {}, line)
         return found
 
 

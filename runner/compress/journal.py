@@ -1,8 +1,8 @@
 """What an unfinished compression has already paid for, kept on disk beside the output.
 
-`<output>.progress` starts with a header (the fingerprint of the input and of the options that
-change a row's output), then one line per row that needed a summary request: its index, its
-status (compressed or failed), what the request spent, and the output row. Each line is
+`<output>.progress` starts with a header (the fingerprint of the options that change a row's
+output), then one line per row that needed a summary request: its key (the hash of the input
+line, so a changed or reordered input still finds its rows), its status (compressed or failed), what the request spent, and the output row. Each line is
 handed to the kernel (written and flushed) before the row is counted, so a Ctrl-C or a SIGKILL
 loses at most the rows in flight; it is fsynced at most FSYNC_EVERY seconds later (and when the
 journal is closed), so a crash of the machine itself loses at most that last second of rows, and
@@ -31,7 +31,7 @@ class JournalError(ValueError):
 
 @dataclass
 class Entry:
-    index: int
+    key: str  # rows.InputRow.key of the input row
     status: str  # compressed | failed
     usage: dict  # agent.model_client.CallStats.as_dict() of the row's requests
     row: bytes  # the output line, without its newline
@@ -40,7 +40,7 @@ class Entry:
 @dataclass
 class Journal:
     path: Path
-    entries: dict[int, Entry] = field(default_factory=dict)  # the latest entry of each row
+    entries: dict[str, Entry] = field(default_factory=dict)  # the latest entry of each row, by key
     earlier_usage: list[dict] = field(default_factory=list)  # every entry's usage, the replaced ones too
     _handle: object = None
     _synced: float = 0.0
@@ -91,16 +91,16 @@ class Journal:
         saved = header.get("fingerprint") if isinstance(header, dict) else None
         if saved != fingerprint:
             changed = sorted(k for k in set(saved or {}) | set(fingerprint) if (saved or {}).get(k) != fingerprint.get(k))
-            raise JournalError(f"{self.path} was written for another input or other options ({', '.join(changed)} "
+            raise JournalError(f"{self.path} was written with other options ({', '.join(changed)} "
                                "differ): give the same ones to --resume, or delete it to start over")
         good = len(lines[0]) + 1
         for line in lines[1:]:
             try:
                 data = orjson.loads(line)
-                entry = Entry(int(data["index"]), str(data["status"]), dict(data["usage"]), orjson.dumps(data["row"]))
+                entry = Entry(str(data["key"]), str(data["status"]), dict(data["usage"]), orjson.dumps(data["row"]))
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
                 break  # a torn last line (killed mid-write): that row is simply done again
-            self.entries[entry.index] = entry
+            self.entries[entry.key] = entry
             self.earlier_usage.append(entry.usage)
             good += len(line) + 1
         if repair and good < len(b"\n".join(lines)):
@@ -108,14 +108,14 @@ class Journal:
                 handle.truncate(good)
 
     def add(self, entry: Entry) -> None:
-        line = orjson.dumps({"index": entry.index, "status": entry.status, "usage": entry.usage,
+        line = orjson.dumps({"key": entry.key, "status": entry.status, "usage": entry.usage,
                              "row": orjson.Fragment(entry.row)})
         self._handle.write(line + b"\n")
         self._handle.flush()
         if time.monotonic() - self._synced >= FSYNC_EVERY:
             os.fsync(self._handle.fileno())
             self._synced = time.monotonic()
-        self.entries[entry.index] = entry
+        self.entries[entry.key] = entry
 
     def close(self) -> None:
         if self._handle is not None:

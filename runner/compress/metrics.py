@@ -20,10 +20,12 @@ STATUSES = (COMPRESSED, UNDER_LIMIT, NOTHING_TO_COMPRESS, FAILED)
 
 def row_metrics(*, status: str, tokens_before: int, tokens_after: int, target: int, turns_before: int,
                 turns_after: int, turns_summarised: int = 0, summary_tokens: int = 0, failure: str = "",
-                error: str = "", counter_name: str, estimated: bool, usage: dict | None = None) -> dict:
+                error: str = "", counter_name: str, estimated: bool, usage: dict | None = None,
+                row_key: str) -> dict:
     usage = usage or {}
     return {
         "status": status,
+        "input_row_sha256": row_key,  # of the input line (its first 32 hex digits): --resume finds the row by it
         "tokens_before": tokens_before,
         "tokens_after": tokens_after,
         "target_max_tokens": target,

@@ -24,6 +24,11 @@ class InputRow:
     data: dict
     turns: list[dict] | None  # the validated conversations; None: the row has none
 
+    @property
+    def key(self) -> str:
+        """The hash of the line: what an earlier compression of this very row is found by."""
+        return hashlib.sha256(self.raw).hexdigest()[:32]
+
 
 def input_pairs(input_path: str, output: str | None) -> list[tuple[Path, Path]]:
     """(input file, output file) for a file, or for each *.jsonl of a directory."""

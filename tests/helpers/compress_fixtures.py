@@ -28,11 +28,12 @@ def words(count: int, offset: int = 0) -> str:
 
 def trajectory(tool_rounds: int, words_per_turn: int, marker: str = "") -> dict:
     """A row as the runner writes it: system, human, then gpt tool calls each followed by its tool
-    response, then a final gpt answer. `marker` (one word) tags the row's first human turn."""
+    response, then a final gpt answer. `marker` (one word) tags the row's human turn and its calls,
+so a summary request names the row it is for."""
     turns = [{"from": "system", "value": "You are a helpful agent."},
              {"from": "human", "value": f"task {marker} " + words(words_per_turn)}]
     for i in range(tool_rounds):
-        turns.append({"from": "gpt", "value": f"<tool_call>call {i} " + words(words_per_turn, i) + "</tool_call>"})
+        turns.append({"from": "gpt", "value": f"<tool_call>call {i} {marker} " + words(words_per_turn, i) + "</tool_call>"})
         turns.append({"from": "tool", "value": f"<tool_response>result {i} " + words(words_per_turn, i + 1) +
                       "</tool_response>"})
     turns.append({"from": "gpt", "value": "final answer " + words(words_per_turn)})
