@@ -55,7 +55,8 @@ def write_dataset(path: Path, prompts: int) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         for i in range(prompts):
             text = f'@tool terminal {{"command": "echo {i}"}}\nBenchmark prompt #{i}: run the command and report its output.'
-            handle.write(json.dumps({"prompt": text}) + "\n")
+            # The target is what the final answer holds (the command's output): --scorer=includes passes.
+            handle.write(json.dumps({"prompt": text, "target": str(i), "verify": "test -d ."}) + "\n")
 
 
 def completion_times(run_dir: Path) -> list[float]:
@@ -70,7 +71,8 @@ def completion_times(run_dir: Path) -> list[float]:
     return sorted(stamps)
 
 
-def run_preset(name: str, sessions: int, latency: float, prompts: int, keep: bool, processes: int | None) -> dict:
+def run_preset(name: str, sessions: int, latency: float, prompts: int, keep: bool, processes: int | None,
+               extra: list[str] = ()) -> dict:
     tmp = make_tmpdir(f"bench_tp_{name}_", keep)
     try:
         dataset = tmp / "prompts.jsonl"
@@ -82,6 +84,7 @@ def run_preset(name: str, sessions: int, latency: float, prompts: int, keep: boo
                     "--keep_no_reasoning", f"--output_dir={tmp / 'out'}"]
             if processes:
                 args.append(f"--num_processes={processes}")
+            args += extra
             timeout = 120 + 4 * prompts / ideal
             print(f"\n▶ preset {name}: {sessions} sessions, {latency * 1000:g} ms latency, {prompts:,} prompts "
                   f"(server {server.base_url}, bounded to {timeout:.0f} s)")
@@ -246,6 +249,7 @@ def main() -> None:
     parser.add_argument("--num_processes", type=int, help="pass --num_processes to the runner")
     parser.add_argument("--repeat", type=int, default=1, help="run each preset N times and report the median run")
     parser.add_argument("--keep", action="store_true", help="keep the temp dirs")
+    parser.add_argument("--scorer", help="pass --scorer to the runner (each row has a target and a verify command)")
     opts = parser.parse_args()
     if not (opts.preset or opts.all or opts.startup):
         opts.preset = "quick"
@@ -261,7 +265,8 @@ def main() -> None:
             if getattr(opts, key) is not None:
                 p[key] = getattr(opts, key)
         label = name if p == PRESETS[name] else f"{name}*"  # * = overridden by --sessions/--latency/--prompts
-        runs = [run_preset(label, p["sessions"], p["latency"], p["prompts"], opts.keep, opts.num_processes)
+        extra = [f"--scorer={opts.scorer}"] if opts.scorer else []
+        runs = [run_preset(label, p["sessions"], p["latency"], p["prompts"], opts.keep, opts.num_processes, extra)
                 for _ in range(max(1, opts.repeat))]
         runs.sort(key=lambda r: r["throughput"])
         chosen = runs[len(runs) // 2]
