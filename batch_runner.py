@@ -781,6 +781,7 @@ class BatchRunner:
 
         rows_this_run = 0
         self._monitor = self._make_monitor(scan, store, done, remaining)
+        executor.watch(self._monitor)  # each request's usage as it completes; the budget admits requests
         if remaining and not self.stopping:
             rows_this_run = self._execute(scan, store, executor, remaining)
         elif not remaining:
@@ -1027,16 +1028,18 @@ class BatchRunner:
                 if executor.in_flight() == 0 and not immediate and (exhausted or self.stopping or monitor.budget_reached):
                     break
                 if monitor.cancel_now():  # --max_cost_hard
-                    self.log(f"💸 Budget reached: cancelling {executor.in_flight()} in-flight prompt(s) (not committed)")
+                    self.log(f"💸 Budget reached: cancelling {executor.in_flight()} in-flight prompt(s)")
                     executor.shutdown(abandon=True)
-                    monitor.on_abandoned()
+                    committed += self._commit_abandoned(store, executor, "cancelled in flight: the cost budget "
+                                                        "was reached (--max_cost_hard)", "budget")
                     break
                 if self.stopping and grace_deadline is None:
                     grace_deadline = time.monotonic() + config.grace_period
                 if grace_deadline is not None and time.monotonic() > grace_deadline and executor.in_flight():
-                    self.log(f"⏹️  Grace period over: abandoning {executor.in_flight()} in-flight prompt(s) (not committed)")
+                    self.log(f"⏹️  Grace period over: abandoning {executor.in_flight()} in-flight prompt(s)")
                     executor.shutdown(abandon=True)  # stop paying for them now, not after the merge
-                    monitor.on_abandoned()
+                    committed += self._commit_abandoned(store, executor, "abandoned in flight: the run was "
+                                                        "interrupted and the grace period ended", "interrupted")
                     break
                 records = immediate + (executor.poll(0.2) if executor.in_flight() else [])
                 if executor.stop_reason and not self.stopping:
@@ -1056,6 +1059,16 @@ class BatchRunner:
             self._bar.close()
             self._bar = None
         return committed
+
+    def _commit_abandoned(self, store, executor, error: str, error_class: str) -> int:
+        """The rows given up in flight: what they spent is committed (as failed attempts, run again
+        on resume), so every request sent is in the figures."""
+        records = executor.abandoned(error, error_class)
+        self._monitor.on_abandoned()
+        if records:
+            store.commit(records)
+            self._monitor.on_commit(records)
+        return len(records)
 
     def _probe_endpoint(self) -> None:
         """One cheap request before anything is written: an unreachable endpoint or a refused key

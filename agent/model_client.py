@@ -34,7 +34,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import orjson
 
@@ -112,12 +112,64 @@ class RequestPacer:
 @dataclass
 class CallStats(Usage):
     """What one row's session spent (agent.usage.Usage), priced from the user's prices where a
-    reply reported no cost."""
+    reply reported no cost, counted request by request from the moment each is sent.
+
+    A request sent is pending until it ends: a reply adds its usage and cost, an error status is
+    an answer without a charge, and a request that ends with no answer (a timeout, a cancel, a body
+    that cannot be read) has an unknown cost. `listener`, when set, is called after every change,
+    so whoever holds the row (the runner's parent process) knows the spend as requests complete."""
 
     prices: Prices | None = field(default=None, repr=False, compare=False)
+    listener: Callable[[CallStats], None] | None = field(default=None, repr=False, compare=False)
+    # Asked before each request is sent (the run's cost budget): False and it is not sent.
+    admit: Callable[[], Awaitable[bool]] | None = field(default=None, repr=False, compare=False)
+    pending: dict[str, int] = field(default_factory=dict, repr=False, compare=False)  # model -> requests sent, not ended
+
+    def count_request(self, model: str | None = None) -> None:
+        super().count_request(model)
+        self._pend(model, 1)
 
     def add_usage(self, usage: dict, model: str | None = None) -> None:
+        self._pend(model, -1)
         self.add_reply(usage, request_cost(usage, self.prices), model)
+        self._changed()
+
+    def answered_without_charge(self, model: str | None = None) -> None:
+        """The endpoint answered with an error status: nothing to charge."""
+        self._pend(model, -1)
+
+    def unanswered(self, model: str | None = None, *, sent: bool = True) -> None:
+        """The request ended with no reply: its cost is unknown; one that never left is not counted."""
+        self._pend(model, -1, notify=False)
+        if sent:
+            self.add_unanswered(1, model)
+        else:
+            self.requests -= 1
+            if model is not None:
+                self.model(model).requests -= 1
+        self._changed()
+
+    def _pend(self, model: str | None, step: int, notify: bool = True) -> None:
+        name = model or ""
+        self.pending[name] = self.pending.get(name, 0) + step
+        if notify:
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.listener is not None:
+            self.listener(self)
+
+    def as_dict(self) -> dict:
+        """The record's usage: a request still pending (its session was cut off) has an unknown cost."""
+        data = super().as_dict()
+        data["unpriced_requests"] += sum(self.pending.values())
+        for entry in data["by_model"]:
+            entry["unpriced_requests"] += self.pending.get(entry["model"], 0)
+        return data
+
+    def report(self) -> dict:
+        """`as_dict()` and how many of its unpriced requests are still pending (for the parent)."""
+        return {**self.as_dict(), "pending": sum(self.pending.values())}
 
 
 def parse_duration(text: str) -> float | None:
@@ -404,17 +456,8 @@ class ModelClient:
             try:
                 await self.pacer.wait()
                 async with self.limiter:
-                    if stats is not None:
-                        stats.count_request(model)
-                    # The SDK's transport and errors, without its typed request/response models:
-                    # the body is already plain JSON, and converting it costs more CPU than the rest.
-                    # The raw response, because some endpoints report the cost in a header.
-                    response = await self._client.post("/chat/completions", body=body, cast_to=_RESPONSE_TYPE)
-                reply = reply_from_completion(orjson.loads(response.content))
-                reply.usage["cost"] = reported_cost(reply.usage, response.headers)
+                    reply = await self._request(body, model, stats)
                 self.limiter.on_success()
-                if stats is not None:
-                    stats.add_usage(reply.usage, model)
                 return reply
             except openai.APIStatusError as err:
                 message, codes = _error_fields(err)
@@ -452,6 +495,31 @@ class ModelClient:
             await asyncio.sleep(delay)
         raise ProviderError(f"{failure} after {attempt} attempt(s)", "connection" if unreachable else "provider", status)
 
+    async def _request(self, body: dict, model: str, stats: CallStats | None) -> ModelReply:
+        """One HTTP request, counted in `stats` from the moment it is sent to the moment it ends."""
+        if stats is not None:
+            if stats.admit is not None and not await stats.admit():
+                raise ProviderError("the cost budget (--max_cost) is reached: no new request is sent", "budget")
+            stats.count_request(model)
+        try:
+            # The SDK's transport and errors, without its typed request/response models:
+            # the body is already plain JSON, and converting it costs more CPU than the rest.
+            # The raw response, because some endpoints report the cost in a header.
+            response = await self._client.post("/chat/completions", body=body, cast_to=_RESPONSE_TYPE)
+            reply = reply_from_completion(orjson.loads(response.content))
+            reply.usage["cost"] = reported_cost(reply.usage, response.headers)
+        except self._openai.APIStatusError:
+            if stats is not None:
+                stats.answered_without_charge(model)
+            raise
+        except BaseException as err:  # a cancel too: a request abandoned mid-flight may still be billed
+            if stats is not None:
+                stats.unanswered(model, sent=not never_sent(err))
+            raise
+        if stats is not None:
+            stats.add_usage(reply.usage, model)
+        return reply
+
     async def close(self) -> None:
         await self._client.close()
 
@@ -482,6 +550,20 @@ def connection_failure(err: BaseException) -> str | None:
             return f"network unreachable ({current.strerror})"
         current = current.__cause__ or current.__context__
     return None
+
+
+def never_sent(err: BaseException) -> bool:
+    """Did the request fail before reaching the endpoint (no DNS answer, nothing listening, TLS)?"""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (socket.gaierror, ConnectionRefusedError, ssl.SSLError)):
+            return True
+        if isinstance(current, OSError) and current.errno in (101, 113):  # network / host unreachable
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def probe_endpoint(base_url: str, api_key: str | None, timeout: float = 10.0) -> str | None:

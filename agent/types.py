@@ -23,8 +23,9 @@ class ProviderError(Exception):
 
     error_class: provider (429/5xx/timeout/malformed/other 4xx/only empty replies), auth (401/403),
     quota (402 or an insufficient_quota code), connection (the endpoint cannot be reached: DNS,
-    refused, closed, TLS), truncated (the first reply cut at max_tokens). auth and quota stop the
-    whole run; connection and truncated stop it when they repeat row after row.
+    refused, closed, TLS), truncated (the first reply cut at max_tokens), budget (not sent: the
+    run's cost budget is reached). auth and quota stop the whole run; connection and truncated stop
+    it when they repeat row after row.
     """
 
     def __init__(self, message: str, error_class: str = "provider", status: int | None = None):

@@ -167,6 +167,7 @@ class Spend:
     attempts: int = 0
     priced: int = 0  # attempts that made requests and have a known cost
     unpriced: int = 0  # attempts that made requests and whose cost is unknown
+    priced_requests: int = 0  # requests of the attempts with a known cost (for a mean request cost)
     duration_seconds: float = 0.0
     cost_squares: float = 0.0  # sum of the squared known attempt costs, for their spread
 
@@ -186,6 +187,7 @@ class Spend:
                 self.unpriced += 1
             else:
                 self.priced += 1
+                self.priced_requests += usage.requests
                 self.cost_squares += cost * cost
         if duration:
             self.duration_seconds += duration
@@ -195,6 +197,7 @@ class Spend:
         self.attempts += other.attempts
         self.priced += other.priced
         self.unpriced += other.unpriced
+        self.priced_requests += other.priced_requests
         self.duration_seconds += other.duration_seconds
         self.cost_squares += other.cost_squares
         return self
@@ -247,6 +250,7 @@ class Spend:
     def from_cache(cls, data: Mapping[str, Any]) -> Spend:
         usage = Usage(**{name: int(data.get(name) or 0) for name in COUNT_FIELDS},
                       cost=float(data.get("cost_sum", data.get("cost")) or 0.0))
+        unpriced = int(data.get("unpriced_attempts") or 0)
         return cls(usage=usage, attempts=int(data.get("attempts") or 0), priced=int(data.get("priced_attempts") or 0),
-                   unpriced=int(data.get("unpriced_attempts") or 0),
+                   unpriced=unpriced, priced_requests=0 if unpriced else usage.requests,  # not cached: the likely figure
                    duration_seconds=float(data.get("duration_seconds") or 0.0))

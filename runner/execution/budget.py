@@ -97,6 +97,16 @@ class Budget:
             self.reached = True
         return not self.reached
 
+    def may_send(self) -> bool:
+        """May a row in flight send another model request? False once the spend known so far (the
+        replies that came, in every worker) reaches the limit: from then on only the requests
+        already sent can go past it."""
+        spent = self.spend.budget_cost()
+        if spent is not None and spent >= self.limit:
+            self.reached = True
+            return False
+        return True
+
     def cancel_now(self) -> bool:
         """--max_cost_hard: the rows in flight have (by estimate) used up what the budget has left."""
         if not self.hard or not self.started:
@@ -123,9 +133,9 @@ class Budget:
         about = " (an estimate)" if self.spend.estimated_attempts else ""
         lines = [f"💸 Stopped at the cost budget: ${spent:.4f}{about} spent {where} of --max_cost=${self.limit:g}."]
         if self.cancelled:
-            lines.append(f"   {self.cancelled} row(s) in flight were cancelled (--max_cost_hard); they were not "
-                         "committed and run again on resume; what they had spent (about "
-                         f"${self.cancelled_estimate:.4f} by estimate) is not in these figures.")
+            lines.append(f"   {self.cancelled} row(s) in flight were cancelled (--max_cost_hard); what they had "
+                         "spent is in these figures (a request cut off without its reply at the mean request "
+                         "cost), and they run again on resume.")
         if self.spend.estimated_attempts:
             lines.append(f"   {self.spend.estimated_attempts} attempt(s) reported no cost and were counted at the mean "
                          "attempt cost (the budget must decide; statistics.json says the cost is unknown).")

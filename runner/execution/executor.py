@@ -12,6 +12,17 @@ from typing import Protocol
 from runner.execution.task import Task
 
 
+class SpendWatcher(Protocol):
+    """Who decides on the run's spend (the runner's live status and budget), told per request."""
+
+    def on_usage(self, key: str, usage: dict) -> None:
+        """A row in flight changed its usage: `usage` is its whole usage so far (a record's `usage`
+        form, with `pending`: requests sent whose reply has not come yet)."""
+
+    def may_send(self) -> bool:
+        """May a worker send one more model request now (the cost budget)?"""
+
+
 class Executor(Protocol):
     # Why the run should stop starting rows (workers keep dying), or None.
     stop_reason: str | None
@@ -33,6 +44,14 @@ class Executor(Protocol):
 
     def poll(self, timeout: float) -> list[dict]:
         """The records finished since the last call, waiting up to `timeout` seconds for the first."""
+
+    def watch(self, watcher: SpendWatcher) -> None:
+        """Report each request's usage to `watcher` as it completes, and let it admit requests."""
+
+    def abandoned(self, error: str, error_class: str) -> list[dict]:
+        """After `shutdown`: records that came in meanwhile, and a failed record (`error`,
+        `error_class`) of each row that sent requests and did not finish, so that what it spent
+        is committed."""
 
     def shutdown(self, abandon: bool = False, timeout: float = 15.0) -> None:
         """Stop the workers (once); abandon=True cancels the sessions in flight and removes their sandboxes."""

@@ -26,9 +26,11 @@ from multiprocessing.connection import wait
 from runner.input.config import RunConfig
 from runner.console import plural
 from runner.execution.group_signals import CANCEL_SIGNAL, spawning_shielded
+from runner.execution.executor import SpendWatcher
 from runner.execution.task import Task
 from runner.execution.worker import failed_record, worker_main
 from runner.storage.records import row_key_of
+from agent.usage import Usage
 
 
 @dataclass
@@ -38,6 +40,7 @@ class _Worker:
     conn: object  # multiprocessing Connection: tasks down, ("result" | "log", payload) up
     slots: int
     in_flight: dict[str, Task] = field(default_factory=dict)  # row key -> task
+    usage: dict[str, dict] = field(default_factory=dict)  # row key -> its usage so far, as last reported
     broken: bool = False  # its pipe ended (EOF, or a message cut short): the worker is dead or dying
     retired: bool = False  # its slot died too often in a short time and is not restarted
 
@@ -86,7 +89,12 @@ class ProcessExecutor:
         self.workers: list[_Worker] = []
         self._deaths = [DeathWindow(self.CRASH_LOOP_DEATHS, self.CRASH_LOOP_WINDOW) for _ in self.slot_plan]
         self.stop_reason: str | None = None  # set when workers keep dying: the run should stop
+        self.watcher: SpendWatcher | None = None  # told each request's usage; admits requests (the budget)
+        self._late: list[dict] = []  # records that arrived while the workers stopped
         self._closed = False
+
+    def watch(self, watcher: SpendWatcher) -> None:
+        self.watcher = watcher
 
     def describe(self) -> str:
         return f"{plural(sum(self.slot_plan), 'session')} on {plural(len(self.slot_plan), 'process', 'processes')}"
@@ -147,9 +155,23 @@ class ProcessExecutor:
                 worker.broken = True
                 return
             if kind == "result":
-                worker.in_flight.pop(row_key_of(payload), None)
-                if records is not None:
-                    records.append(payload)
+                key = row_key_of(payload)
+                worker.in_flight.pop(key, None)
+                worker.usage.pop(key, None)
+                (self._late if records is None else records).append(payload)
+            elif kind == "usage":
+                key, usage = payload
+                if key in worker.in_flight:
+                    worker.usage[key] = usage
+                    if self.watcher is not None:
+                        self.watcher.on_usage(key, usage)
+            elif kind == "ask":
+                allowed = self.watcher is None or self.watcher.may_send()
+                try:
+                    worker.conn.send(("admit", payload, allowed))
+                except OSError:
+                    worker.broken = True
+                    return
             elif kind == "log":
                 self.log(payload)
 
@@ -165,9 +187,7 @@ class ProcessExecutor:
                 self._drain(worker, lost)
             code = worker.process.exitcode
             tasks = list(worker.in_flight.values())
-            for task in tasks:
-                lost.append(failed_record(task, self.config, f"worker process died (exit code {code})", "agent"))
-            worker.in_flight.clear()
+            lost.extend(self._unfinished(worker, f"worker process died (exit code {code})", "agent"))
             worker.conn.close()
             _clean_after_worker(self.config, tasks, self.log)
             if self._deaths[worker.slot].record():
@@ -182,6 +202,27 @@ class ProcessExecutor:
             self.log(f"⚠️  Worker {worker.slot} died (exit code {code}); {len(tasks)} row(s) failed, restarting it")
             self.workers[self.workers.index(worker)] = self._spawn(worker.slot, worker.slots)
         return lost
+
+    def _unfinished(self, worker: _Worker, error: str, error_class: str, *, spent_only: bool = False) -> list[dict]:
+        """Failed records of the rows the worker will not finish, with what they spent as it
+        reported (a request without its reply counts at an unknown cost); `spent_only`: only the
+        rows that sent a request (the others spent nothing and are simply run again)."""
+        records = []
+        for key, task in worker.in_flight.items():
+            usage = Usage.read(worker.usage.get(key))
+            if usage.requests or not spent_only:
+                records.append(failed_record(task, self.config, error, error_class, usage=usage))
+        worker.in_flight.clear()
+        worker.usage.clear()
+        return records
+
+    def abandoned(self, error: str, error_class: str) -> list[dict]:
+        """After `shutdown`: the records that came in while the workers stopped, and a failed
+        record of each row that spent money and did not finish, to be committed."""
+        records, self._late = self._late, []
+        for worker in self.workers:
+            records.extend(self._unfinished(worker, error, error_class, spent_only=True))
+        return records
 
     def shutdown(self, abandon: bool = False, timeout: float = 15.0) -> None:
         """Stop the workers (once). abandon=True cancels in-flight sessions (their sandboxes are removed)."""

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.input.config import RunConfig
+from runner.execution.executor import SpendWatcher
 from runner.execution.task import Task
 from runner.execution.worker import failed_record
 
@@ -186,6 +187,7 @@ class RayExecutor:
         self._no_actor_since: float | None = None
         self.last_start_error: str | None = None
         self.stop_reason: str | None = None  # never set: a lost node's rows are re-sent or failed, the run goes on
+        self.watcher: SpendWatcher | None = None
         self._closed = False
         self._owns_connection = False
         self._connect()
@@ -460,6 +462,16 @@ class RayExecutor:
                     self.backlog.popleft(), self.config, "no Ray node was left to run this row", "agent"))
 
     # --- stopping ---------------------------------------------------------------------------
+
+    def watch(self, watcher: SpendWatcher) -> None:
+        """Kept, not yet fed: actors hand back whole records only, so under Ray the run's spend and
+        its budget are known per committed row, not per request."""
+        self.watcher = watcher
+
+    def abandoned(self, error: str, error_class: str) -> list[dict]:
+        """Nothing: an actor reports no usage before a row's record, so a row abandoned in flight
+        leaves no figures to commit (what it spent is not counted)."""
+        return []
 
     def shutdown(self, abandon: bool = False, timeout: float = 15.0) -> None:
         """Stop the actors. abandon=True cancels in-flight sessions (their sandboxes are removed)."""

@@ -10,6 +10,7 @@ as a record, and the parent commits it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import queue
 import signal
@@ -19,12 +20,13 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from agent.loop import LoopConfig, run_conversation
 from agent.model_client import CallStats, ModelClient, RetryPolicy, SessionModel
 from agent.trajectory import extract_reasoning_stats, extract_tool_stats, normalise_tool_stats, to_sharegpt
 from agent.types import ProviderError
+from agent.usage import Usage
 from runner.execution.group_signals import CANCEL_SIGNAL, shield
 from runner.input.config import RunConfig
 from tools.environments.base import SandboxError, become_subreaper, kill_orphans
@@ -57,6 +59,10 @@ class WorkerRuntime:
                 policy=RetryPolicy(request_timeout=config.request_timeout),
                 prompt_caching=config.prompt_caching,
             )
+        # Set by the worker process: each request's usage goes to the parent as it completes
+        # (report_usage(row key, CallStats)), and under a budget the parent admits each request.
+        self.report_usage: Callable[[str, CallStats], None] | None = None
+        self.admit: Callable[[], Awaitable[bool]] | None = None
         self.scorers = [resolve(name) for name in config.scorer]
         self.judge_client = self._judge_client(sessions) if "judge" in config.scorer else None
         self.loop_config = LoopConfig(
@@ -75,6 +81,12 @@ class WorkerRuntime:
             return self.client
         return ModelClient(url, config.api_key.get_secret_value() if config.api_key else None, max_in_flight=sessions,
                            policy=RetryPolicy(request_timeout=config.request_timeout))
+
+    def row_stats(self, task: Task) -> CallStats:
+        """The usage counter of one row's session, reporting to the parent as requests complete."""
+        report = self.report_usage
+        listener = None if report is None else (lambda stats: report(task.key, stats))
+        return CallStats(prices=self.config.request_prices, listener=listener, admit=self.admit)
 
     async def close(self) -> None:
         await self.client.close()
@@ -113,9 +125,8 @@ def _metadata(task: Task, config: RunConfig, started: float | None, session: Ses
         run_id=config.tools.run_id,
         attempt=task.attempt,
         duration_seconds=round(time.monotonic() - started, 3) if started is not None else 0.0,
-        usage=UsageRecord.of(stats) if stats else UsageRecord(),
         seed=task.seed,
-        **extra,
+        **{"usage": UsageRecord.of(stats) if stats else UsageRecord(), **extra},
     )
 
 
@@ -125,8 +136,13 @@ def _message(err: Exception) -> str:
 
 
 def failed_record(task: Task, config: RunConfig, error: str, error_class: str, *,
-                  started: float | None = None, session: SessionModel | None = None, **metadata: Any) -> dict:
-    """The record of a failed attempt: never merged into trajectories.jsonl, retried on resume."""
+                  started: float | None = None, session: SessionModel | None = None,
+                  usage: Usage | None = None, **metadata: Any) -> dict:
+    """The record of a failed attempt: never merged into trajectories.jsonl, retried on resume.
+    `usage`: what the attempt spent, when its session is not at hand (the parent's record of a row
+    whose worker died, from the usage the worker reported)."""
+    if usage is not None:
+        metadata["usage"] = UsageRecord.of(usage)
     return as_dict(FailedRecord(
         prompt_index=task.index,
         failed=True,
@@ -185,7 +201,7 @@ async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
         toolsets_used = [ts for ts in offering if ts in offered_toolsets]
         offered = {"tools_offered": [spec.name for spec in tools], "toolsets_sampled": list(toolsets)}
         session = SessionModel(runtime.client, config.model, config.max_tokens, config.extra_body(),
-                               stats=CallStats(prices=config.request_prices), tool_choice=config.tool_choice)
+                               stats=runtime.row_stats(task), tool_choice=config.tool_choice)
         if any(spec.needs_sandbox for spec in tools):
             from tools.environments import create_environment
 
@@ -268,9 +284,11 @@ HARD_EXIT_AFTER = 3.0  # seconds an orphaned worker may spend removing its sessi
 def worker_main(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, conn) -> None:
     """Entry point of a worker process: serve tasks from the parent's pipe until a None arrives.
 
-    `conn` is this worker's own pipe to the parent: tasks come down it, ("result", record) and
-    ("log", text) go up. End-of-file on it means the parent died: the worker then cancels its
-    sessions (which removes their sandboxes) and exits within HARD_EXIT_AFTER seconds.
+    `conn` is this worker's own pipe to the parent: tasks (and ("admit", ask, bool) answers) come
+    down it; ("result", record), ("log", text), ("usage", (row key, usage so far)) after every
+    change of a row's usage, and, under a cost budget, ("ask", ask) before each model request go
+    up. End-of-file on it means the parent died: the worker then cancels its sessions (which
+    removes their sandboxes) and exits within HARD_EXIT_AFTER seconds.
     """
     shield()  # the parent decides how to stop, on Ctrl-C or a SIGTERM sent to the whole group
     _die_with_parent()
@@ -326,6 +344,31 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
 
     runtime = WorkerRuntime(config, unavailable, sessions, log)
     running: set[asyncio.Task] = set()
+    asks: dict[int, asyncio.Future] = {}  # requests waiting for the parent's word (the cost budget)
+    ask_ids = itertools.count()
+
+    def report_usage(key: str, stats: CallStats) -> None:
+        outbox.put(("usage", (key, stats.report())))
+
+    async def admit() -> bool:
+        """Ask the parent, which knows every worker's spend, whether a request may be sent."""
+        ask = next(ask_ids)
+        future = loop.create_future()
+        asks[ask] = future
+        outbox.put(("ask", ask))
+        try:
+            return await future
+        finally:
+            asks.pop(ask, None)
+
+    def answer(ask: int, allowed: bool) -> None:
+        future = asks.get(ask)
+        if future is not None and not future.done():
+            future.set_result(allowed)
+
+    runtime.report_usage = report_usage
+    if config.max_cost is not None:
+        runtime.admit = admit
 
     def stop_now() -> None:  # cancel sessions; their finally blocks remove sandboxes
         for t in list(running):
@@ -351,6 +394,9 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
             except (EOFError, OSError):  # the parent's end is closed: it died
                 call_soon(parent_gone)
                 return
+            if isinstance(item, tuple) and item[0] == "admit":  # the parent's answer to an ask
+                call_soon(answer, item[1], item[2])
+                continue
             call_soon(inbox.put_nowait, item)
             if item is None:
                 return

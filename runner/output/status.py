@@ -1,10 +1,13 @@
 """Watching a run: live spend, the forecast, the console's spend line and `<run>/status.json`.
 
-Everything here is fed by the parent's commit loop (never by reading files back), so it costs a few
-additions per committed row. Spend is what committed attempts cost, kept or not. When an attempt's
-cost is unknown (no reported cost, no price), the total is unknown ("at least" the known part),
-never $0 and never a guess; only under a budget (--max_cost) is such an attempt counted at the
-mean attempt cost, for the budget's decision, and every figure made so is labelled an estimate.
+Everything here is fed by the parent (never by reading files back): by its commit loop, and by the
+workers' reports of each request's usage as it completes, so it costs a few additions per request.
+Spend is what committed attempts cost, kept or not, plus what the rows in flight have spent so far.
+When an attempt's cost is unknown (no reported cost, no price, a request that got no reply), the
+total is unknown ("at least" the known part), never $0 and never a guess; only under a budget
+(--max_cost) is such an attempt counted at the mean attempt cost (a request in flight at the mean
+request cost), for the budget's decision, and every figure made so is labelled an estimate. Under
+a budget the workers ask before each request, and none is sent once the known spend reaches it.
 
 status.json is rewritten atomically every few seconds while the run lives and once more at its end
 (README "status.json" has the format); after each invocation its last state is also appended to
@@ -31,8 +34,8 @@ Z95 = 1.96  # two-sided 95 % normal quantile
 
 @dataclass
 class LiveSpend:
-    """Committed spend, counted in attempts that made model requests: `before` is what earlier
-    invocations of the run committed, `now` this invocation."""
+    """The run's spend: committed attempts that made model requests (`before`: what earlier
+    invocations committed, `now`: this invocation), and the rows in flight, request by request."""
 
     scope: str = "run"  # run | invocation: what `budget_cost` covers
     # Under a budget, attempts without a cost count at the mean attempt cost in every total (and
@@ -40,11 +43,44 @@ class LiveSpend:
     estimate_unknown: bool = False
     before: Spend = field(default_factory=Spend)
     now: Spend = field(default_factory=Spend)
+    # Rows in flight: their usage so far as the workers report it request by request, and how
+    # many of their requests are still waiting for a reply (`pending`, not yet of unknown cost).
+    flight: dict[str, Usage] = field(default_factory=dict)
+    pending: dict[str, int] = field(default_factory=dict)
 
     def add(self, usage: Usage, duration: float) -> None:
         if not usage.requests:
             return  # nothing was asked of a model (e.g. its image was missing): nothing spent
         self.now.add(usage, duration)
+
+    def report(self, key: str, usage: Usage, pending: int) -> None:
+        """A row in flight spent more (its whole usage so far)."""
+        self.flight[key] = usage
+        self.pending[key] = pending
+
+    def settle(self, key: str) -> None:
+        """The row's record is committed: its spend is in `now` from here on."""
+        self.flight.pop(key, None)
+        self.pending.pop(key, None)
+
+    def flight_known(self) -> float:
+        """Known cost of the requests of the rows in flight."""
+        return sum(usage.cost for usage in self.flight.values())
+
+    def flight_unknown(self) -> int:
+        """Requests of the rows in flight that ended without a known cost (pending ones excluded)."""
+        return sum(usage.unpriced_requests for usage in self.flight.values()) - sum(self.pending.values())
+
+    def requests(self) -> int:
+        """Every request sent in the run so far: committed, and of the rows in flight."""
+        return (self.before.usage.requests + self.now.usage.requests
+                + sum(usage.requests for usage in self.flight.values()))
+
+    def mean_request_cost(self) -> float | None:
+        flight_priced = sum(u.requests - u.unpriced_requests for u in self.flight.values())
+        requests = self.now.priced_requests + self.before.priced_requests + flight_priced
+        known = self.now.known_cost + self.before.known_cost + self.flight_known()
+        return known / requests if requests else None
 
     @property
     def known_attempts(self) -> int:
@@ -65,11 +101,18 @@ class LiveSpend:
         return self.now.unpriced + self.before.unpriced
 
     def _total(self, before: bool, estimate: bool) -> float | None:
-        known = self.now.known_cost + (self.before.known_cost if before else 0.0)
+        known = self.now.known_cost + (self.before.known_cost if before else 0.0) + self.flight_known()
         unknown = self.now.unpriced + (self.before.unpriced if before else 0)
+        in_flight = self.flight_unknown()
+        if not unknown and not in_flight:
+            return known
+        if not estimate:
+            return None
+        if in_flight:
+            known += in_flight * (self.mean_request_cost() or 0.0)
         if not unknown:
             return known
-        mean = self.mean_attempt_cost() if estimate else None
+        mean = self.mean_attempt_cost()
         return None if mean is None else known + unknown * mean
 
     def total(self) -> float | None:
@@ -79,7 +122,7 @@ class LiveSpend:
 
     def known_total(self) -> float:
         """The known part of the run's spend: a lower bound when some attempts have no cost."""
-        return self.now.known_cost + self.before.known_cost
+        return self.now.known_cost + self.before.known_cost + self.flight_known()
 
     @property
     def is_estimate(self) -> bool:
@@ -188,9 +231,25 @@ class RunMonitor:
         if self.budget is not None:
             self.budget.on_start(task.key)
 
+    def on_usage(self, key: str, usage: dict) -> None:
+        """A worker reported a row's usage so far (runner.execution.executor.SpendWatcher)."""
+        self.spend.report(key, Usage.read(usage), int(usage.get("pending") or 0))
+
+    def may_send(self) -> bool:
+        """May a worker send another model request? Not once the known spend reaches the budget."""
+        if self.budget is None:
+            return True
+        was_reached = self.budget.reached
+        allowed = self.budget.may_send()
+        if not allowed and not was_reached:
+            self.log(f"💸 Budget reached: ${self.spend.budget_cost():.4f} spent >= --max_cost=${self.budget.limit:g}; "
+                     "no new request is sent, the rows in flight stop")
+        return allowed
+
     def on_commit(self, records: list[dict]) -> None:
         for record in records:
             fields = fields_of(record)
+            self.spend.settle(fields.key)
             self.spend.add(fields.usage, fields.duration or 0.0)
             self.counts[fields.outcome] += 1
             if self.budget is not None and fields.key in self.budget.started:
@@ -201,6 +260,8 @@ class RunMonitor:
     def on_abandoned(self) -> None:
         """The rows in flight were given up (grace period over, or --max_cost_hard)."""
         self.in_flight = 0
+        self.spend.flight.clear()  # what they spent is committed with their failed records
+        self.spend.pending.clear()
         if self.budget is not None:
             self.budget.started.clear()
 
@@ -224,7 +285,7 @@ class RunMonitor:
             self.log(f"💸 Budget reached: ${self.spend.budget_cost():.4f} committed + "
                      f"${self.budget.expected_in_flight():.4f} expected of {len(self.budget.started)} row(s) in "
                      f"flight >= --max_cost=${self.budget.limit:g}; no new rows start"
-                     + ("" if self.budget.hard else ", the rows in flight finish"))
+                     + ("" if self.budget.hard else ", the rows in flight go on until the spend reaches it"))
         return False
 
     def cancel_now(self) -> bool:
@@ -284,6 +345,7 @@ class RunMonitor:
                 "per_kept_row_usd": _round(outlook.per_kept_row) if outlook else None,
                 "attempts_priced": spend.now.priced + spend.before.priced,
                 "attempts_unpriced": spend.estimated_attempts,
+                "requests": spend.requests(),  # every request sent: committed rows' and those in flight
             },
             "budget": None if self.budget_limit is None else {
                 "max_cost_usd": self.budget_limit,

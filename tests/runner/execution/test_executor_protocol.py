@@ -14,7 +14,8 @@ METHODS = [name for name, value in vars(Executor).items() if inspect.isfunction(
 
 
 def test_the_protocol_names_what_the_runner_calls():
-    assert set(METHODS) == {"describe", "start", "free_slots", "in_flight", "submit", "poll", "shutdown", "terminate"}
+    assert set(METHODS) == {"describe", "start", "free_slots", "in_flight", "submit", "poll", "watch", "abandoned",
+                           "shutdown", "terminate"}
     assert "stop_reason" in Executor.__annotations__
 
 
