@@ -36,8 +36,6 @@ if __name__ == "__main__":  # first thing, as batch_runner.py does
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 
 import inspect
-import json
-import time
 from pathlib import Path
 
 from batch_runner import EXIT_ERROR, EXIT_FATAL_PROVIDER, EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK
@@ -151,75 +149,18 @@ def _metrics_path(pairs, options) -> Path:
 
 def _compress(compressor, pairs, options) -> int:
     from agent.model_client import probe_endpoint
-    from runner.compress import metrics as m
-    from runner.console import progress
+    from runner.compress.run import compress_files, stopped_message, summary_lines
 
-    started = time.monotonic()
     key = options.api_key.get_secret_value() if options.api_key else None
     problem = probe_endpoint(options.base_url, key)
     if problem:
         raise UsageError(f"{problem}; nothing was started")
-    bar = progress(0, unit="row", every=5.0)
-    results = []
-    try:
-        for source, target in pairs:
-            result = compressor.compress_file(source, target, bar)
-            results.append(result)
-            if result.stopped:
-                break
-    finally:
-        bar.close()
-    stopped = results[-1].stopped if results else ""
-    usage = m.sum_usage([u for result in results for u in result.usage])
-    if stopped:
-        return _stopped(stopped, results[-1].message, usage)
-    summary = m.run_metrics([r.tally for r in results], usage, tokenizer=compressor.counter.name,
-                            estimated=compressor.counter.estimated,
-                            options=options.model_dump(mode="json"), duration=time.monotonic() - started,
-                            summarising=compressor.summarising_seconds)
-    path = compressor.metrics_path
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    temporary.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
-    _print_summary(summary, pairs, path)
-    return EXIT_INCOMPLETE if summary["rows_failed"] else EXIT_OK
-
-
-def _stopped(stopped: str, message: str, usage: dict) -> int:
-    spent = f"{plural(usage['requests'], 'summary request')} so far"
-    if stopped == "fatal":
-        print(f"\n⛔ Stopped: {message}.\n   The rows already summarised are kept ({spent}); fix the cause, then run "
-              "again with --resume to finish.", file=sys.stderr)
-        return EXIT_FATAL_PROVIDER
-    print(f"\n⏹️  Interrupted: the rows already summarised are kept ({spent}). Run again with --resume to finish.",
-          file=sys.stderr)
-    return EXIT_INTERRUPTED
-
-
-def _print_summary(summary: dict, pairs, metrics_path: Path) -> None:
-    out = [f"\n📦 Compressed {plural(summary['rows'], 'row')} into --target_max_tokens="
-           f"{summary['options']['target_max_tokens']:,}"]
-    for tally in summary["files"]:
-        out.append(f"   {tally['input']} -> {tally['output']}")
-    out.append(f"   compressed: {summary['rows_compressed']:,}; under the limit: {summary['rows_under_limit']:,}; "
-               f"without conversations: {summary['rows_without_conversations']:,}; nothing to compress: "
-               f"{summary['rows_nothing_to_compress']:,}; resumed: {summary['rows_resumed']:,}")
-    estimate = " (estimated)" if summary["tokens_estimated"] else ""
-    out.append(f"   tokens{estimate}: {summary['tokens_before']:,} -> {summary['tokens_after']:,} "
-               f"(ratio {summary['compression_ratio']:.2f}; {summary['tokenizer']})")
-    if summary["rows_over_limit"]:
-        out.append(f"   ⚠️  still over the limit: {plural(summary['rows_over_limit'], 'row')} (marked over_limit)")
-    if summary["rows_failed"]:
-        reasons = ", ".join(f"{k} {v}" for k, v in summary["failures"].items())
-        out.append(f"   ❌ summary failed: {plural(summary['rows_failed'], 'row')} ({reasons}), written uncompressed; "
-                   "run again with --resume to retry them")
-    usage = summary["summariser"]
-    cost = f"${usage['cost']:.4f}" if usage["cost_known"] else (
-        f"at least ${usage['cost']:.4f} (no cost reported for {plural(usage['unpriced_requests'], 'request')})")
-    out.append(f"   summariser: {plural(usage['requests'], 'request')} ({usage['retries']:,} retries), "
-               f"{usage['prompt_tokens']:,} prompt + {usage['completion_tokens']:,} completion tokens, {cost}")
-    out.append(f"   {summary['duration_seconds']:.1f}s ({summary['rows_per_second']:.1f} rows/s); metrics: {metrics_path}")
-    print("\n".join(out))
+    outcome = compress_files(compressor, pairs)
+    if outcome.stopped:
+        print(stopped_message(outcome), file=sys.stderr)
+        return EXIT_FATAL_PROVIDER if outcome.stopped == "fatal" else EXIT_INTERRUPTED
+    print("\n".join(summary_lines(outcome.summary, compressor.metrics_path)))
+    return EXIT_INCOMPLETE if outcome.summary["rows_failed"] else EXIT_OK
 
 
 def _dry_run(compressor, pairs, dry_run_file) -> int:

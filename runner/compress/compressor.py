@@ -21,6 +21,7 @@ from typing import Callable
 import orjson
 
 from agent.model_client import CallStats, ModelClient, RetryPolicy
+from agent.pricing import Prices
 from runner.compress import metrics as m
 from runner.compress.journal import Entry, Journal
 from runner.compress.options import CompressOptions
@@ -53,8 +54,12 @@ class FileResult:
 
 
 class Compressor:
-    def __init__(self, options: CompressOptions, counter: TokenCounter, metrics_path: Path | None = None):
+    def __init__(self, options: CompressOptions, counter: TokenCounter, metrics_path: Path | None = None, *,
+                 offline_client=None, prices: Prices | None = None):
         self.options = options
+        # The runner's offline model (--model=mock) summarises in-process: its client, not an endpoint's.
+        self.offline_client = offline_client
+        self.prices = prices  # for replies whose endpoint reports no cost (the runner's --price_* flags)
         self.metrics_path = metrics_path  # the run's metrics JSON: --resume after a whole run reads it
         self.counter = counter
         self.stopping = ""
@@ -96,7 +101,7 @@ class Compressor:
 
     async def _summarise(self, pending: Pending, summariser: Summariser) -> Entry:
         row, region = pending.row, pending.region
-        stats = CallStats()
+        stats = CallStats(prices=self.prices)
         total, n = sum(pending.counts), len(row.turns)
         failure = error = ""
         try:
@@ -125,8 +130,8 @@ class Compressor:
         key = options.api_key.get_secret_value() if options.api_key else None
         policy = RetryPolicy(max_attempts=ATTEMPTS, max_total_wait=options.per_trajectory_timeout,
                              request_timeout=options.per_trajectory_timeout)
-        client = ModelClient(options.base_url, key, max_in_flight=options.max_concurrent_requests, policy=policy,
-                             prompt_caching="off")
+        client = self.offline_client or ModelClient(options.base_url, key, max_in_flight=options.max_concurrent_requests,
+                                                    policy=policy, prompt_caching="off")
         summariser = Summariser(client, options.summary_model, options.summary_target_tokens)
         queue = iter(pending)
         started = time.monotonic()  # after the client's start-up (the SDK's import takes seconds)
