@@ -93,3 +93,20 @@ def test_rescore_refuses_scorers_that_need_the_environment(tmp_path, model_serve
     assert _snapshot(run) == before and model_server.count() == requests
     proc = run_cli(["--run_name=nothere", "--rescore", "--scorer=includes"], tmp_path)
     assert proc.returncode == 1 and "holds no run" in proc.stderr
+
+
+def test_rescore_waits_for_no_live_run(tmp_path, model_server, remote_args):
+    from runner.storage.lock import RunLock
+
+    run = _first_run(tmp_path, remote_args)
+    before = _snapshot(run)
+    lock = RunLock(run)
+    lock.acquire(lambda text: None)  # a live run holds the run directory
+    try:
+        proc = _rescore(tmp_path, "--scorer=exact")
+    finally:
+        lock.release()
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert {n: d for n, d in _snapshot(run).items() if not n.startswith(".run")} == {
+        n: d for n, d in before.items() if not n.startswith(".run")}
+    assert not (run / "rescores.jsonl").exists()

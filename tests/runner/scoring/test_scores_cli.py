@@ -152,3 +152,17 @@ def test_resume_with_other_scorers_is_a_configuration_change(tmp_path, model_ser
     assert proc.returncode == 0, proc.stdout + proc.stderr
     scorers = {t["conversations"][1]["value"].splitlines()[-1]: t["metadata"]["scores"][0]["scorer"] for t in _kept(tmp_path)}
     assert scorers == {"Q?": "includes", "R?": "exact"}
+
+
+def test_a_scorer_that_runs_out_of_time_keeps_the_sample(tmp_path, model_server, remote_args):
+    (tmp_path / "slow.py").write_text("import asyncio\nasync def slow(sample):\n    await asyncio.sleep(60)\n")
+    rows = [{"prompt": "@answer yes\nQ?", "target": "yes"}]
+    proc = _run(tmp_path, rows, remote_args, "--scorer=slow.py:slow,includes", "--verify_timeout=1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = _kept(tmp_path)
+    assert len(kept) == 1 and kept[0]["conversations"][-1]["from"] == "gpt"
+    slow, includes = kept[0]["metadata"]["scores"]
+    assert (slow["value"], slow["passed"]) == (0.0, False)
+    assert slow["explanation"] == "scorer error: timed out: the scorer took longer than 6s"
+    assert includes["passed"]
+    assert kept[0]["metadata"]["duration_seconds"] < 30
