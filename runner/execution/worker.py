@@ -37,6 +37,7 @@ from runner.scoring.scorers import ScoringContext, resolve, run_scorers
 from tools.registry import ToolContext, tools_for_toolsets
 from toolset_distributions import get_distribution, rng_for_row, sample_toolsets_from_distribution
 
+
 class WorkerRuntime:
     """What one worker process shares between its sessions: built once, not per prompt."""
 
@@ -70,7 +71,6 @@ class WorkerRuntime:
             ephemeral_system_prompt=config.ephemeral_system_prompt,
             prefill_messages=list(config.prefill_messages),
         )
-
 
     def _judge_client(self, sessions: int) -> Any:
         """The judge's endpoint: the run's own client when it is the same endpoint (one pace and
