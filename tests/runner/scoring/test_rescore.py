@@ -110,3 +110,14 @@ def test_rescore_waits_for_no_live_run(tmp_path, model_server, remote_args):
     assert {n: d for n, d in _snapshot(run).items() if not n.startswith(".run")} == {
         n: d for n, d in before.items() if not n.startswith(".run")}
     assert not (run / "rescores.jsonl").exists()
+
+
+def test_a_scorer_that_reaches_exec_through_a_helper_changes_nothing(tmp_path, model_server, remote_args):
+    run = _first_run(tmp_path, remote_args)
+    before = _snapshot(run)
+    (tmp_path / "indirect.py").write_text("def _run(sample):\n    return sample.exec('true')\n"
+                                          "def check(sample):\n    return _run(sample).exit_code == 0\n")
+    proc = _rescore(tmp_path, "--scorer=includes,indirect.py:check")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "a scorer called sample.exec" in proc.stderr and "nothing was changed" in proc.stderr
+    assert _snapshot(run) == before
