@@ -199,6 +199,8 @@ class Compressor:
                 places.setdefault(row.key, []).append(index)
         if pending:
             bar.total = (bar.total or 0) + len(pending)
+            if hasattr(bar, "refresh"):  # a tqdm bar shows its new total at once
+                bar.refresh()
 
             def on_done(entry: Entry) -> None:
                 for index in places[entry.key]:

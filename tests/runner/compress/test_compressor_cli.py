@@ -99,6 +99,7 @@ def test_long_rows_are_compressed_within_the_budget_and_every_row_is_kept_in_ord
     assert metrics["summariser"]["requests"] == 3 and metrics["summariser"]["cost"] == pytest.approx(0.0003)
     assert metrics["tokenizer"] == "tok" and metrics["tokens_estimated"] is False
     assert "compressed: 3" in result.stdout and "3 requests" in result.stdout
+    assert "⏳ 3 of 3 rows finished" in result.stderr and "\r" not in result.stderr  # plain lines when redirected
     no_secret_anywhere(work, result)
 
 
@@ -317,3 +318,37 @@ def test_equal_rows_share_one_summary(work):
     output = read_jsonl(work / "runs_compressed.jsonl")
     assert len(output) == 3 and output[0] == output[1] == output[2]
     assert output[0]["compression_metrics"]["status"] == "compressed"
+
+
+def test_progress_is_a_bar_on_a_terminal(work):
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    import fcntl
+    import struct
+    import termios
+
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENROUTER_API_KEY", "OPENAI_API_KEY")}
+    env["PYTHONPATH"] = str(REPO)
+    with ModelServer(policy=summarised()) as server:
+        process = subprocess.Popen([sys.executable, str(REPO / "trajectory_compressor.py"), *flags(server)], cwd=work,
+                                   env=env, stdout=subprocess.DEVNULL, stderr=secondary)
+        os.close(secondary)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:  # the terminal closed with the process
+                break
+            if not chunk:
+                break
+            seen += chunk
+        assert process.wait(timeout=120) == 0
+    os.close(primary)
+    assert b"\r" in seen and b"row/s" in seen  # tqdm's bar, redrawn in place
