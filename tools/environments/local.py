@@ -2,17 +2,21 @@
 
 Without a sandbox, commands run as the runner's own user with full access to the host: fast, and
 fine for trusted prompts. With `sandbox="bwrap"` each session gets one bubblewrap sandbox that
-behaves like a small container: the host filesystem read-only, the working directory writable, a
-private /tmp and /run (so no host socket, such as the Docker engine's, is reachable), no network
-(only `lo`), its own PID, IPC, UTS and cgroup namespaces, and no capabilities. A long-lived `cat`
-keeps the sandbox alive and every command joins its namespaces with `nsenter`, then drops every
-capability and sets no_new_privs with `setpriv` (nsenter alone would hand it all of the runner's),
+behaves like a small container: only the host's system folders (/usr, /etc, ...) read-only, the
+session's working folder writable, a private /tmp and /run (no host unix socket is reachable: not
+the Docker engine's, not the runner's own forkserver's), no network (only `lo`), its own PID, IPC,
+UTS and cgroup namespaces, and no capabilities. A long-lived `cat` keeps the sandbox alive and every
+command joins its namespaces with `nsenter`, then drops every capability, sets no_new_privs and, for
+a runner as root, becomes nobody with `setpriv` (nsenter alone would hand it all of the runner's),
 so background processes and files in /tmp survive from one command to the next, as they do in a
 Docker container.
 
 The worker process is a child subreaper (base.become_subreaper): what a command detaches from its
 session (`env -i setsid daemon &` drops the session marker) reparents to the worker rather than to
-init, so cleanup() still kills it (base.kill_orphans), and so does the worker when it exits.
+init, so cleanup() still kills it (base.kill_orphans), and so does the worker when it exits. A
+worker killed with SIGKILL can do neither: under bwrap its sandboxes die with it (their PID
+namespaces end), but without a sandbox a process that dropped its marker and left its session is
+reparented to init and keeps running.
 """
 
 from __future__ import annotations
