@@ -5,7 +5,7 @@
                            --run_name=demo --model=mock
 
 Outputs go to <output_dir>/<run_name>/: batch_N.jsonl (committed rows), checkpoint.json,
-config.json, trajectories.jsonl and statistics.json. See README.md for every flag.
+config.json, trajectories.jsonl and statistics.json. See docs/flags.md for every flag.
 
 Exit codes: 0 every row done; 1 bad input or configuration; 2 finished with failed or unrun rows
 (run again with --resume); 3 stopped early: the provider cannot serve the run (auth, quota, an
@@ -509,7 +509,7 @@ def _refuse_run_while_a_worker_imports_the_script() -> None:
             or main_module == "__mp_main__"):
         raise RuntimeError(
             'BatchRunner.run() was called while a worker process imported your script: start the run under '
-            '`if __name__ == "__main__":` (the workers import the script again; see README, Python API)'
+            '`if __name__ == "__main__":` (the workers import the script again; see docs/python-api.md)'
         )
 
 

@@ -43,7 +43,7 @@ from runner.output.status import LiveSpend, RunMonitor  # noqa: E402
 
 TARGET_MS = 1.0
 SESSIONS = 64
-RATE = 60.0  # prompts per second at 64 sessions (README benchmarks, preset a)
+RATE = 60.0  # prompts per second at 64 sessions (docs/benchmarks.md, preset a)
 PRICES = Prices(input_per_mtok=3.0, output_per_mtok=15.0, cached_input_per_mtok=0.3)
 
 

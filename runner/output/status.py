@@ -10,7 +10,7 @@ request cost), for the budget's decision, and every figure made so is labelled a
 a budget the workers ask before each request, and none is sent once the known spend reaches it.
 
 status.json is rewritten atomically every few seconds while the run lives and once more at its end
-(README "status.json" has the format); after each invocation its last state is also appended to
+(docs/cost-and-budget.md has the format); after each invocation its last state is also appended to
 `status_history.jsonl`, which the report shows.
 """
 
