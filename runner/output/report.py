@@ -176,7 +176,7 @@ def _make_row(fields: LineFields, entry: RowEntry) -> _Row:
         turns=turns, reasoning=reasoning,
         completed=bool(record.get("completed")),
         partial=bool(record.get("partial")),
-        scores=_scores_of(record["metadata"].get("scores")),
+        scores=_scores_of(fields.meta.scores),
     )
 
 

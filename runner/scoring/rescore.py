@@ -18,8 +18,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
-import orjson
-
 from runner.scoring.sample import NoEnvironment, Sample
 from runner.scoring.scorers import Scorer, ScoringContext, resolve, row_rule, run_scorers
 
@@ -48,7 +46,7 @@ def rescore_run(run_dir: Path, options: Any, *, make_judge: Callable[[], Any] | 
     from runner.input.dataset import iter_rows, scan_dataset
     from runner.input.secrets import redact_bytes
     from runner.storage.runfiles import ConfigFile, read_config
-    from runner.storage.records import RESCORES_FILE, RescoreRecord, UsageRecord
+    from runner.storage.records import RESCORES_FILE, RescoreRecord, UsageRecord, read_line
     from runner.storage.runview import OK_RANK, RunView, read_run
     from runner.storage.store import batch_files
 
@@ -72,17 +70,17 @@ def rescore_run(run_dir: Path, options: Any, *, make_judge: Callable[[], Any] | 
         for key, entry in winners:
             handle = handles.get(entry.file_no) or handles.setdefault(entry.file_no, open(view.files[entry.file_no], "rb"))
             handle.seek(entry.offset)
-            record = orjson.loads(handle.read(entry.length))
-            samples.append((rows[key], record))
+            fields = read_line(handle.read(entry.length))
+            if fields is not None:
+                samples.append((rows[key], fields))
     finally:
         for handle in handles.values():
             handle.close()
     rescore_id = uuid.uuid4().hex[:12]
     results = asyncio.run(_score_all(samples, scorers, options, make_judge))
     lines = []
-    for (row, record), (scores, usage) in zip(samples, results):
-        metadata = record["metadata"]
-        lines.append(RescoreRecord(row_key=row.key, run_id=metadata["run_id"], attempt=metadata["attempt"],
+    for (row, fields), (scores, usage) in zip(samples, results):
+        lines.append(RescoreRecord(row_key=row.key, run_id=fields.run_id, attempt=fields.meta.attempt,
                                    scores=scores, usage=UsageRecord.of(usage), rescore_id=rescore_id,
                                    timestamp=datetime.now().isoformat()).model_dump_json().encode() + b"\n")
     _append(run_dir / RESCORES_FILE, redact_bytes(b"".join(lines)))  # as every committed line
@@ -95,11 +93,11 @@ async def _score_all(samples: list, scorers: list[Scorer], options: Any, make_ju
     client = make_judge() if make_judge else None
     gate = asyncio.Semaphore(CONCURRENT)
 
-    async def one(row, record) -> tuple[list, Any]:
+    async def one(row, fields) -> tuple[list, Any]:
         stats = CallStats(prices=options.request_prices)
         judge = SessionModel(client, options.judge_model, stats=stats) if client is not None else None
-        metadata = {k: v for k, v in record["metadata"].items() if k != "scores"}
-        sample = Sample(prompt=row.prompt, conversation=record.get("conversations") or [], metadata=metadata,
+        metadata = {k: v for k, v in fields.meta.present().items() if k != "scores"}
+        sample = Sample(prompt=row.prompt, conversation=fields.get("conversations") or [], metadata=metadata,
                         targets=row.targets, verify=row.verify, rubric=row.rubric, row_line=row.line)
         context = ScoringContext(judge=judge, rubric=options.judge_rubric, verify_timeout=options.verify_timeout)
         async with gate:
@@ -107,7 +105,7 @@ async def _score_all(samples: list, scorers: list[Scorer], options: Any, make_ju
         return scores, stats
 
     try:
-        return await asyncio.gather(*(one(row, record) for row, record in samples))
+        return await asyncio.gather(*(one(row, fields) for row, fields in samples))
     except NoEnvironment:
         raise RescoreError("--rescore: a scorer called sample.exec, and the samples' environments were removed "
                            "when they finished; nothing was changed") from None

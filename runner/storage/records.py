@@ -328,6 +328,14 @@ class MetadataView:
             return value
         return None if info.is_required() else info.get_default(call_default_factory=True)
 
+    def replace(self, name: str, value: Any) -> None:
+        """Put `value` in the line's field `name` (a reader's overlay, such as a later rescore)."""
+        if name not in Metadata.model_fields:
+            raise AttributeError(name)
+        self._raw[name] = value
+        if name == "usage":
+            self._usage = None
+
     def present(self) -> dict[str, Any]:
         """The fields the line holds (any type), in schema order: what a reader shows of it."""
         return {name: self._raw[name] for name in Metadata.model_fields if name in self._raw}

@@ -248,7 +248,7 @@ class RunView:
         """Put the line's latest rescore in place of its own scores; those scores, if it had one."""
         scores = self.rescores.get((fields.key, fields.run_id, fields.meta.attempt))
         if scores is not None:
-            fields.raw["metadata"]["scores"] = scores
+            fields.meta.replace("scores", scores)
         return scores
 
     def _spend(self, bucket: str, fields: LineFields) -> None:
