@@ -184,7 +184,9 @@ class LocalEnvironment(Backend):
             "--perms", "1777", "--tmpfs", "/tmp", "--dir", "/var", "--perms", "1777", "--tmpfs", "/var/tmp",
             "--dir", "/run", *_folders_leading_to(top), "--bind", top, top,
             "--clearenv", *(arg for name, value in _sandbox_env().items() for arg in ("--setenv", name, value)),
-            "--", *self._drop_privileges(), "sh", "-c", "echo ready; exec cat",
+            # The holder keeps the runner's uid (without capabilities), so that a command, which
+            # runs as nobody when the runner is root, cannot signal it.
+            "--", "setpriv", *_DROP_CAPABILITIES, "--", "sh", "-c", "echo ready; exec cat",
         ]  # fmt: skip
         try:
             # A plain sh sits between us and bwrap because --die-with-parent fires when the *thread*

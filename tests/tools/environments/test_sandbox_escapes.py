@@ -110,7 +110,8 @@ def test_sandboxed_commands_leave_nothing_setuid_or_owned_by_root_and_cannot_rea
     commands = [
         "cp /bin/sh ./rootsh && chmod 4755 ./rootsh && mkdir -p sub && cp /bin/sh sub/gsh && chmod 2755 sub/gsh; "
         "ls -ln rootsh",
-        "id -u; id -g",
+        # As root, commands are nobody: they cannot signal the sandbox's own processes either.
+        ("kill -9 1 2 2>/dev/null; " if os.geteuid() == 0 else "") + "id -u; id -g",
         "head -c 20 /etc/shadow && echo READ_SHADOW; ls /root && echo LISTED_ROOT",
         "mkdir -p locked/inner && touch locked/inner/f && chmod 0 locked/inner locked; echo locked",
     ]
