@@ -53,6 +53,8 @@ from typing import Any
 from runner.console import plural
 from runner.execution.executor import Executor
 from runner.storage.store import StorageError
+from runner.input.config import Commands
+from runner.input.flags import flag_named, main_signature
 from toolset_distributions import format_distribution_catalogue
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FATAL_PROVIDER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -66,125 +68,34 @@ class UsageError(Exception):
     """Bad input or configuration: one clear line, exit code 1."""
 
 
-def main(
-    dataset_file: str = None,
-    batch_size: int = None,
-    run_name: str = None,
-    distribution: str = None,
-    model: str = None,
-    api_key: str = None,
-    base_url: str = None,
-    max_turns: int = None,
-    num_workers: int = None,
-    resume: bool = False,
-    verbose: bool = None,
-    list_distributions: bool = False,
-    ephemeral_system_prompt: str = None,
-    log_prefix_chars: int = None,
-    providers_allowed: str = None,
-    providers_ignored: str = None,
-    providers_order: str = None,
-    provider_sort: str = None,
-    max_tokens: int = None,
-    reasoning_effort: str = None,
-    reasoning_disabled: bool = None,
-    prefill_messages_file: str = None,
-    max_samples: int = None,
-    # Options the original does not have.
-    tool_choice: str = None,
-    prompt_caching: str = None,
-    seed: int = None,
-    output_dir: str = None,
-    skip_invalid: bool = None,
-    allow_duplicate_ids: bool = None,
-    keep_no_reasoning: bool = None,
-    overwrite: bool = False,
-    allow_config_change: bool = False,
-    num_processes: int = None,
-    prompt_timeout: float = None,
-    request_timeout: float = None,
-    max_requests_per_minute: float = None,
-    grace_period: float = None,
-    terminal_env: str = None,
-    docker_image: str = None,
-    sandbox: str = None,
-    keep_workdirs: bool = None,
-    command_timeout: float = None,
-    container_memory: str = None,
-    container_cpus: float = None,
-    container_network: str = None,
-    vision_model: str = None,
-    moa_reference_models: str = None,
-    moa_aggregator_model: str = None,
-    web_search_backend: str = None,
-    image_backend: str = None,
-    image_model: str = None,
-    executor: str = None,
-    ray_address: str = None,
-    sessions_per_node: int = None,
-    report: bool = False,
-    report_samples: int = None,
-    export: str = None,
-    price_input_per_mtok: float = None,
-    price_output_per_mtok: float = None,
-    price_cached_input_per_mtok: float = None,
-    max_cost: float = None,
-    max_cost_hard: bool = None,
-    max_cost_scope: str = None,
-    scorer: str = None,
-    pass_threshold: float = None,
-    verify_command: str = None,
-    verify_timeout: float = None,
-    judge_model: str = None,
-    judge_base_url: str = None,
-    judge_rubric: str = None,
-    rescore: bool = False,
-):
-    """Run a JSONL dataset of prompts through the agent (see README.md for every flag).
+def main(**flags: Any):
+    """Run a JSONL dataset of prompts through the agent (docs/flags.md lists every flag).
 
-    A flag left out is None here: its default is defined once, on its field in runner/input/config.py
-    (RunConfig) or tools/settings.py (ToolSettings), which also check the values.
+    The parameters are the declared flags (runner/input/flags.py; `main.__signature__`, which fire
+    reads). A flag left out is None here: its default is defined once, on its field, which also
+    checks the value.
     """
-    if list_distributions:
+    unknown = set(flags) - set(main.__signature__.parameters)
+    if unknown:  # (the CLI checked argv already; this is for a caller in Python)
+        raise TypeError(f"main() got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    commands = {name: flags.pop(name) for name in list(flags) if flag_named(name).section == "command"}
+    commands = {name: commands.get(name) for name in Commands.model_fields}
+    if commands["list_distributions"]:
         print(format_distribution_catalogue())
         raise SystemExit(EXIT_OK)
     try:
-        if report:
-            raise SystemExit(_report_only(output_dir, run_name, report_samples))
-        if rescore:
-            raise SystemExit(_rescore_only(
-                output_dir=output_dir, run_name=run_name or "", report_samples=report_samples, api_key=api_key,
-                scorer=scorer, pass_threshold=pass_threshold, verify_command=verify_command,
-                verify_timeout=verify_timeout, judge_model=judge_model, judge_base_url=judge_base_url,
-                judge_rubric=judge_rubric))
-        if export is not None and dataset_file is None:
-            raise SystemExit(_export_only(output_dir, run_name, export))
-        config = build_config(
-            dataset_file=dataset_file, batch_size=batch_size, run_name=run_name, distribution=distribution,
-            model=model, api_key=api_key, base_url=base_url, max_turns=max_turns, num_workers=num_workers,
-            verbose=verbose, ephemeral_system_prompt=ephemeral_system_prompt, log_prefix_chars=log_prefix_chars,
-            providers_allowed=providers_allowed, providers_ignored=providers_ignored, providers_order=providers_order,
-            provider_sort=provider_sort, max_tokens=max_tokens, reasoning_effort=reasoning_effort,
-            reasoning_disabled=reasoning_disabled, prefill_messages_file=prefill_messages_file,
-            max_samples=max_samples, tool_choice=tool_choice, prompt_caching=prompt_caching, seed=seed,
-            export=_checked(_export_formats, export), output_dir=output_dir, skip_invalid=skip_invalid, allow_duplicate_ids=allow_duplicate_ids,
-            keep_no_reasoning=keep_no_reasoning,
-            num_processes=num_processes, prompt_timeout=prompt_timeout, request_timeout=request_timeout,
-            max_requests_per_minute=max_requests_per_minute, grace_period=grace_period, terminal_env=terminal_env,
-            docker_image=docker_image, sandbox=sandbox, keep_workdirs=keep_workdirs, command_timeout=command_timeout,
-            container_memory=container_memory, container_cpus=container_cpus, container_network=container_network,
-            vision_model=vision_model, moa_reference_models=moa_reference_models,
-            moa_aggregator_model=moa_aggregator_model, web_search_backend=web_search_backend,
-            image_backend=image_backend, image_model=image_model, executor=executor, ray_address=ray_address,
-            sessions_per_node=sessions_per_node, report_samples=report_samples,
-            price_input_per_mtok=price_input_per_mtok, price_output_per_mtok=price_output_per_mtok,
-            price_cached_input_per_mtok=price_cached_input_per_mtok, max_cost=max_cost, max_cost_hard=max_cost_hard,
-            max_cost_scope=max_cost_scope, scorer=scorer, pass_threshold=pass_threshold,
-            verify_command=verify_command, verify_timeout=verify_timeout, judge_model=judge_model,
-            judge_base_url=judge_base_url, judge_rubric=judge_rubric,
-        )
-        code = BatchRunner(config, resume=bool(resume), overwrite=bool(overwrite),
-                           allow_config_change=bool(allow_config_change)).run()
+        if commands["report"]:
+            raise SystemExit(_report_only(flags.get("output_dir"), flags.get("run_name"), flags.get("report_samples")))
+        if commands["rescore"]:
+            rescore_flags = ("output_dir", "report_samples", "api_key", "scorer", "pass_threshold", "verify_command",
+                             "verify_timeout", "judge_model", "judge_base_url", "judge_rubric")
+            raise SystemExit(_rescore_only(run_name=flags.get("run_name") or "",
+                                           **{name: flags.get(name) for name in rescore_flags}))
+        if flags.get("export") is not None and flags.get("dataset_file") is None:
+            raise SystemExit(_export_only(flags.get("output_dir"), flags.get("run_name"), flags["export"]))
+        config = build_config(**flags)
+        code = BatchRunner(config, resume=bool(commands["resume"]), overwrite=bool(commands["overwrite"]),
+                           allow_config_change=bool(commands["allow_config_change"])).run()
     except UsageError as err:
         print(f"❌ Error: {err}", file=sys.stderr)
         code = EXIT_ERROR
@@ -197,12 +108,15 @@ def main(
         code = EXIT_INTERRUPTED
     except Exception as err:  # our bug or an OS error: one clear line, the traceback with --verbose
         print(f"\n❌ Fatal error: {type(err).__name__}: {err}", file=sys.stderr)
-        if verbose:
+        if flags.get("verbose"):
             import traceback
 
             traceback.print_exc()
         code = EXIT_ERROR
     raise SystemExit(code)
+
+
+main.__signature__ = main_signature()  # what fire binds and --help lists: the declared flags
 
 
 def _report_only(output_dir: Any, run_name: Any, report_samples: Any) -> int:
@@ -367,46 +281,48 @@ def _prefill(path: Any) -> list[dict] | None:
     return messages
 
 
-# The flags ToolSettings holds (named like its fields); the other plain flags are RunConfig fields.
-TOOL_FLAGS = ("terminal_env", "docker_image", "sandbox", "keep_workdirs", "command_timeout", "container_memory",
-              "container_cpus", "container_network", "vision_model", "moa_reference_models", "moa_aggregator_model",
-              "web_search_backend", "image_backend", "image_model")
-
-
-def build_config(*, api_key=None, providers_allowed=None, providers_ignored=None, providers_order=None,
-                 provider_sort=None, reasoning_effort=None, reasoning_disabled=None, prefill_messages_file=None,
-                 price_input_per_mtok=None, price_output_per_mtok=None, price_cached_input_per_mtok=None,
-                 max_cost=None, max_cost_hard=None, max_cost_scope=None, scorer=None, **fields: Any):
+def build_config(**flags: Any):
     """The flags as a validated RunConfig; a bad one raises UsageError with one clear line.
 
-    `fields` are the flags named like a field of RunConfig or ToolSettings (TOOL_FLAGS): the models
-    check them and default the ones left out (None). The flags named here become other fields.
+    Each flag goes to the model whose field declares it (runner/input/flags.py, SECTIONS): the models
+    check the values and default the ones left out (None). The request flags become the fields they
+    set; the budget flags are checked with the prices.
     """
     from runner.execution.budget import cost_options
     from runner.input.config import RunConfig, provider_preferences, reasoning_request
+    from runner.input.flags import by_section
     from tools.settings import ToolSettings
 
-    tool_flags = {name: fields.pop(name, None) for name in TOOL_FLAGS}
+    try:
+        sections = by_section(flags)
+    except TypeError as err:
+        raise UsageError(str(err)) from None
+    if any(value is not None for value in sections["command"].values()):
+        raise UsageError(f"build_config() takes no command flags ({', '.join(sections['command'])})")
+    fields, tool_flags, request = sections["run"], sections["tools"], sections["request"]
+    cost_flags = {name: request.pop(name, None) for name in ("price_input_per_mtok", "price_output_per_mtok",
+                                                              "price_cached_input_per_mtok")}
+    cost_flags.update({name: fields.pop(name, None) for name in ("max_cost", "max_cost_hard", "max_cost_scope")})
     fields["ephemeral_system_prompt"] = fields.get("ephemeral_system_prompt") or None  # "" is none
-    from runner.scoring.scorers import scorer_names
+    fields["api_key"] = _api_key(fields.get("api_key"))
+    fields["prefill_messages"] = _prefill(fields.get("prefill_messages_file"))
+    fields["export"] = _checked(_export_formats, fields.get("export"))
+    if fields.get("scorer") is not None:
+        from runner.scoring.scorers import scorer_names
 
+        fields["scorer"] = _checked(scorer_names, fields["scorer"])
     config = _validated(
-        RunConfig, **fields, api_key=_api_key(api_key), prefill_messages_file=prefill_messages_file,
-        scorer=_checked(scorer_names, scorer),
-        prefill_messages=_prefill(prefill_messages_file),
-        provider=_checked(provider_preferences, _as_list(providers_allowed, "providers_allowed"),
-                          _as_list(providers_ignored, "providers_ignored"), _as_list(providers_order, "providers_order"),
-                          provider_sort),
-        reasoning=_checked(reasoning_request, reasoning_effort, bool(reasoning_disabled)),
+        RunConfig, **fields,
+        provider=_checked(provider_preferences, _as_list(request.get("providers_allowed"), "providers_allowed"),
+                          _as_list(request.get("providers_ignored"), "providers_ignored"),
+                          _as_list(request.get("providers_order"), "providers_order"), request.get("provider_sort")),
+        reasoning=_checked(reasoning_request, request.get("reasoning_effort"), bool(request.get("reasoning_disabled"))),
     )
-    tool_flags["terminal_env"] = tool_flags["terminal_env"] or os.environ.get("TERMINAL_ENV")
-    tool_flags["moa_reference_models"] = _as_list(tool_flags["moa_reference_models"], "moa_reference_models")
+    tool_flags["terminal_env"] = tool_flags.get("terminal_env") or os.environ.get("TERMINAL_ENV")
+    tool_flags["moa_reference_models"] = _as_list(tool_flags.get("moa_reference_models"), "moa_reference_models")
     config.tools = _validated(ToolSettings, **tool_flags, run_name=config.run_name, run_id=uuid.uuid4().hex[:12],
                               model=config.model, **_tool_endpoints())
     _require_api_key(config)
-    cost_flags = {"price_input_per_mtok": price_input_per_mtok, "price_output_per_mtok": price_output_per_mtok,
-                  "price_cached_input_per_mtok": price_cached_input_per_mtok, "max_cost": max_cost,
-                  "max_cost_hard": max_cost_hard, "max_cost_scope": max_cost_scope}
     config = config.model_copy(update=_checked(cost_options, cost_flags, config.model, config.base_url))
     _require_installed(config)
     _checked(check_scoring, config)
@@ -1165,21 +1081,6 @@ class BatchRunner:
         return {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
 
 
-def text_flags() -> set[str]:
-    """main()'s parameters whose value is text: fire must hand them over as typed (a run named
-    1e3 is not the number 1000.0, an API key of digits is not an int)."""
-    import inspect
-
-    return {name for name, p in inspect.signature(main).parameters.items() if p.annotation in ("str", str)}
-
-
-def bool_flags() -> set[str]:
-    """main()'s parameters that are on or off (their value must be one of runner.input.flags.BOOL_WORDS)."""
-    import inspect
-
-    return {name for name, p in inspect.signature(main).parameters.items() if p.annotation in ("bool", bool)}
-
-
 def cli(argv: list[str] | None = None) -> None:
     if argv is None:  # the real command line: keys leave our environment and argv first (may re-exec)
         from runner.input.secrets import protect_process_secrets
@@ -1187,7 +1088,7 @@ def cli(argv: list[str] | None = None) -> None:
         protect_process_secrets()
     import fire
 
-    from runner.input.flags import FlagError, check_argv, format_help, wants_help
+    from runner.input.flags import FlagError, bool_flags, check_argv, format_help, text_flags, wants_help
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if wants_help(argv):

@@ -1,11 +1,13 @@
 """The run's configuration: validated options, what config.json records, and the fingerprint.
 
-The flags are checked here, by the fields' types and constraints (and a few validators), and each
-default is defined once, on its field: the CLI passes only the flags the user gave. `flag_error`
-turns pydantic's report of a bad value into the CLI's one line, named by the flag (fields are
-named like their flags).
+Most flags are declared here, each on the field it sets (`flag(...)`, runner/input/flag_declaration.py:
+its help, group and fingerprint mark); RequestFlags and Commands declare the others. The flags are
+checked by the fields' types and constraints (and a few validators), and each default is defined
+once, on its field: the CLI passes only the flags the user gave. `flag_error` turns pydantic's
+report of a bad value into the CLI's one line, named by the flag (fields are named like their flags).
 
-The fingerprint hashes every option that changes what a row's output would be. `--resume` compares
+The fingerprint hashes every option that changes what a row's output would be (the fields declared
+with `fingerprint`). `--resume` compares
 it with the one saved in config.json and refuses to mix outputs of two configurations unless
 `--allow_config_change` is given.
 """
@@ -23,36 +25,16 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, St
 
 from agent.model_client import RetryPolicy
 from agent.pricing import FREE, Prices
-from tools.settings import ToolSettings
+from runner.input.flag_declaration import ORIGINAL, fingerprint_condition, fingerprint_key, fingerprinted, flag
+from tools.settings import TOOL_BACKENDS, ToolSettings
+
+REQUEST_TIMEOUT = RetryPolicy.request_timeout
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra"]
 ProviderSort = Literal["price", "throughput", "latency"]
 REASONING_EFFORTS = get_args(ReasoningEffort)
 PROVIDER_SORTS = get_args(ProviderSort)
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-# Options whose change makes new rows incomparable with old ones.
-FINGERPRINT_FIELDS = (
-    "model",
-    "base_url",
-    "distribution",
-    "max_turns",
-    "max_tokens",
-    "reasoning",
-    "ephemeral_system_prompt",
-    "prefill_messages",
-    "seed",
-    "provider",
-    "tool_choice",
-    "tool_schema_version",
-    "terminal_env",
-    "docker_image",
-    "tool_backends",
-)
-
-# Options that change a sample's scores; fingerprinted only in a run that has scorers.
-SCORING_FINGERPRINT_FIELDS = ("scorer", "pass_threshold", "verify_command", "judge_model", "judge_rubric")
-
 
 def _check_run_name(value: str) -> str:
     if not value:
@@ -71,62 +53,112 @@ RunName = Annotated[str, AfterValidator(_check_run_name)]
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt option is an error, not ignored
 
-    dataset_file: str
-    run_name: RunName
-    batch_size: StrictInt = Field(ge=1)
-    output_dir: str = "data"
-    distribution: str = "default"
-    model: str = "anthropic/claude-sonnet-4.6"
-    base_url: str | None = "https://openrouter.ai/api/v1"  # None for the offline model
-    api_key: SecretStr | None = Field(default=None, exclude=True)
-    max_turns: StrictInt = Field(default=10, ge=1)
-    num_workers: StrictInt = Field(default=4, ge=1)  # concurrent agent sessions
-    # worker processes (default: CPU count, at most num_workers)
-    num_processes: StrictInt | None = Field(default=None, ge=1)
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    reasoning: dict | None = None  # the `reasoning` request field, from the reasoning flags
-    provider: dict | None = None  # the OpenRouter `provider` request field
-    # the `tool_choice` request field, sent whenever tools are offered
-    tool_choice: Literal["auto", "required", "none"] = "auto"
-    # cache_control breakpoints (auto: Claude models on OpenRouter). Not fingerprinted: it changes
-    # what a row costs, not what it contains.
-    prompt_caching: Literal["auto", "on", "off"] = "auto"
-    ephemeral_system_prompt: str | None = None
-    prefill_messages: list[dict] = Field(default_factory=list)
-    prefill_messages_file: str | None = None
-    max_samples: StrictInt | None = Field(default=None, ge=1)  # 0 on the command line: all rows
-    # 0 <= seed < 2**63: the run's random generator and the int64 metadata.seed column take it as it is
-    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)  # without --seed, BatchRunner draws one for the run (seed_drawn) and records it
+    dataset_file: str = flag(group=ORIGINAL, help="Input JSONL, one object with a 'prompt' per line.")
+    run_name: RunName = flag(
+        group=ORIGINAL, help="Output folder <output_dir>/<run_name>/ (letters, digits, '.', '_', '-').",
+        details="Kept as typed (`007` stays `007`); `../x` is refused.")
+    batch_size: StrictInt = flag(
+        ge=1, group=ORIGINAL, help="Rows per output file batch_N.jsonl (does not limit parallelism).")
+    output_dir: str = flag("data", help="Parent of the run folder.")
+    distribution: str = flag(
+        "default", group=ORIGINAL, fingerprint=True, help="Toolset distribution (--list_distributions shows them).")
+    model: str = flag(
+        "anthropic/claude-sonnet-4.6", group=ORIGINAL, fingerprint=True,
+        help="Model id; 'mock' is the built-in offline model.")
+    base_url: str | None = flag(  # None for the offline model
+        "https://openrouter.ai/api/v1", group=ORIGINAL, fingerprint=True, help="OpenAI-compatible endpoint.")
+    api_key: SecretStr | None = flag(
+        None, exclude=True, group=ORIGINAL, shown="$OPENROUTER_API_KEY or $OPENAI_API_KEY",
+        help="API key of the model endpoint (the variable is safer: flags show in ps).",
+        details="Never written to any file.")
+    max_turns: StrictInt = flag(
+        10, ge=1, group=ORIGINAL, fingerprint=True, help="Model calls per prompt (the agent's iteration limit).")
+    num_workers: StrictInt = flag(4, ge=1, group=ORIGINAL, help="Concurrent agent sessions.")
+    num_processes: StrictInt | None = flag(  # at most num_workers
+        None, ge=1, shown="CPU count", help="Worker processes the sessions are spread over.")
+    max_tokens: StrictInt | None = flag(
+        None, ge=1, group=ORIGINAL, fingerprint=True, help="Output tokens per response.")
+    reasoning: dict | None = fingerprinted(None)  # the `reasoning` request field, from the reasoning flags
+    provider: dict | None = fingerprinted(None)  # the OpenRouter `provider` request field
+    tool_choice: Literal["auto", "required", "none"] = flag(
+        "auto", fingerprint=True, help="auto, required or none: tool_choice sent with every request that offers tools.")
+    prompt_caching: Literal["auto", "on", "off"] = flag(
+        "auto", help="cache_control breakpoints: auto (Claude models on OpenRouter), on or off.",
+        details="Anthropic `cache_control` breakpoints on the system message and the last messages (at most 4); "
+                "`on` also serves proxies that pass them through. Not fingerprinted: it changes what a row "
+                "costs, not what it contains.")
+    ephemeral_system_prompt: str | None = flag(
+        None, group=ORIGINAL, fingerprint=True, help="Added to the system prompt at call time only; never saved.")
+    prefill_messages: list[dict] = fingerprinted(default_factory=list)
+    prefill_messages_file: str | None = flag(
+        None, group=ORIGINAL, sets="prefill_messages",
+        help="JSON array of {role, content} messages inserted at call time only.",
+        details="They go after the system prompt.")
+    max_samples: StrictInt | None = flag(  # 0 on the command line: all rows
+        None, ge=1, group=ORIGINAL, shown="all", help="Only the first N valid rows.")
+    # 0 <= seed < 2**63: the run's random generator and the int64 metadata.seed column take it as it is.
+    # Without --seed, BatchRunner draws one for the run (seed_drawn) and records it.
+    seed: StrictInt | None = flag(
+        None, ge=0, lt=2**63, fingerprint=True, shown="drawn",
+        help="Reproducible toolset sampling (each row's sample depends on the seed and the row); "
+             "without it one is drawn for the run and recorded in config.json.",
+        details="An integer, 0 <= seed < 2**63. The sample does not depend on the worker count or the "
+                "finishing order; resumes use the recorded seed again. Recorded in each row.")
     seed_drawn: bool = False
-    keep_no_reasoning: bool = False
-    skip_invalid: bool = False
-    export: list[str] = Field(default_factory=list)  # --export formats written at the end (runner/output/export.py)
-    allow_duplicate_ids: bool = False  # rows may share an `id` (refused by default: it names one row)
-    verbose: bool = False
-    log_prefix_chars: StrictInt = Field(default=100, ge=0)
-    prompt_timeout: StrictFloat | None = Field(default=None, gt=0)  # wall-clock limit of one prompt, seconds
-    request_timeout: StrictFloat = Field(default=RetryPolicy.request_timeout, gt=0)
-    max_requests_per_minute: StrictFloat | None = Field(default=None, gt=0)
-    grace_period: StrictFloat = Field(default=30.0, ge=0)  # after the first Ctrl-C: how long in-flight prompts may finish
-    executor: Literal["local", "ray"] = "local"  # local (process pool) | ray (a Ray cluster)
-    ray_address: str | None = None
-    # ray: concurrent sessions per node (default num_workers)
-    sessions_per_node: StrictInt | None = Field(default=None, ge=1)
-    report_samples: StrictInt = Field(default=500, ge=0)  # full conversations embedded in report.html
+    export: list[str] = flag(  # written at the end (runner/output/export.py); alone with --run_name: see main()
+        default_factory=list, kind=str, shown="",
+        help="Comma list of messages, dpo: training-ready files in <run>/export/ (with a run, or alone with --run_name).")
+    keep_no_reasoning: bool = flag(
+        False, help="Keep rows whose model never reasoned.", details="The original always discarded them.")
+    skip_invalid: bool = flag(False, help="Run the valid rows of a dataset that has invalid lines.")
+    allow_duplicate_ids: bool = flag(  # an `id` names one row
+        False, help="Accept rows that share an 'id' (refused by default).")
+    verbose: bool = flag(False, group=ORIGINAL, help="Per-prompt logs (sampled toolsets, outcomes, tracebacks).")
+    log_prefix_chars: StrictInt = flag(
+        100, ge=0, group=ORIGINAL, help="Length of the prompt preview in --verbose per-prompt lines.",
+        details="Failure lines show the whole error.")
+    prompt_timeout: StrictFloat | None = flag(
+        None, gt=0, shown="none", help="Wall-clock limit of one prompt, seconds (the row fails as timeout).")
+    request_timeout: StrictFloat = flag(
+        REQUEST_TIMEOUT, gt=0, help="Limit of one model request, seconds (then retried).")
+    max_requests_per_minute: StrictFloat | None = flag(
+        None, gt=0, shown="none", help="Pace model requests for the whole run.")
+    grace_period: StrictFloat = flag(
+        30.0, ge=0, help="After the first Ctrl-C, seconds in-flight prompts may take to finish.")
+    executor: Literal["local", "ray"] = flag("local", help="local (process pool) or ray.")
+    ray_address: str | None = flag(None, help="Ray cluster address (auto).")
+    sessions_per_node: StrictInt | None = flag(None, ge=1, help="Sessions per Ray node.")  # default num_workers
+    report_samples: StrictInt = flag(500, ge=0, help="Full conversations embedded in report.html.")
     prices: Prices | None = None  # --price_*_per_mtok: for replies whose endpoint reports no cost
-    max_cost: float | None = None  # USD budget (runner/execution/budget.py checks the cost flags)
-    max_cost_hard: bool = False  # cancel rows in flight at the budget instead of letting them finish
-    max_cost_scope: Literal["run", "invocation"] = "run"  # run: spend of earlier invocations counts; invocation: only this one
-    # Scoring (runner/scoring): the scorers by name, the first one primary; a sample's score
-    # passes at pass_threshold; the command scorer's command and time limit; the judge's model.
-    scorer: list[str] = Field(default_factory=list)
-    pass_threshold: StrictFloat = 1.0
-    verify_command: str | None = None
-    verify_timeout: StrictFloat = Field(default=120.0, gt=0)
-    judge_model: str | None = None
-    judge_base_url: str | None = None  # default: base_url
-    judge_rubric: str | None = None
-    tool_schema_version: str = ""
+    # The budget flags are checked together with the prices (runner/execution/budget.py, cost_options).
+    max_cost: float | None = flag(
+        None, shown="none", help="Budget in USD: no new row starts once spend (+ rows in flight) reaches it; exit 4.",
+        details="The spend is the committed spend plus the expected spend of the rows in flight.")
+    max_cost_hard: bool = flag(
+        False, help="At the budget, cancel the rows in flight instead of letting them finish.",
+        details="Cancelled rows are not committed; they run again on resume.")
+    max_cost_scope: Literal["run", "invocation"] = flag(
+        "run", help="run: earlier invocations' spend counts against --max_cost; invocation: only this one.")
+    # Scoring (runner/scoring): the scorers by name, the first one primary. Their options change a
+    # sample's scores: fingerprinted only in a run that has scorers (a run without keeps its fingerprint).
+    scorer: list[str] = flag(
+        default_factory=list, kind=str, shown="none", fingerprint=True, fingerprint_if="scorer",
+        help="Comma list of scorers, the first primary: includes, exact, command, judge, path/to/file.py:function.")
+    pass_threshold: StrictFloat = flag(
+        1.0, fingerprint=True, fingerprint_if="scorer", help="A score passes when its value is at least this.")
+    verify_command: str | None = flag(
+        None, shown="the row's verify", fingerprint=True, fingerprint_if="scorer",
+        help="Shell command of the command scorer for every row (exit 0 passes).")
+    verify_timeout: StrictFloat = flag(
+        120.0, gt=0, help="Seconds a verify command (and each scorer but the judge) may take.")
+    judge_model: str | None = flag(
+        None, fingerprint=True, fingerprint_if="scorer", help="Model of the judge scorer.")
+    judge_base_url: str | None = flag(
+        None, shown="--base_url", help="OpenAI-compatible endpoint of the judge model.")
+    judge_rubric: str | None = flag(
+        None, shown="the row's rubric", fingerprint=True, fingerprint_if="scorer",
+        help="What the judge is told to look for, for every row.")
+    tool_schema_version: str = fingerprinted("")
     tools: ToolSettings = Field(default_factory=ToolSettings)
 
     @field_validator("dataset_file", "output_dir", mode="before")
@@ -179,10 +211,7 @@ class RunConfig(BaseModel):
     @property
     def tool_backends(self) -> dict:
         """The models and services tools answer with: they shape tool results, hence the rows."""
-        t = self.tools
-        return {"vision_model": t.vision_model, "moa_reference_models": t.moa_reference_models,
-                "moa_aggregator_model": t.moa_aggregator_model, "web_search_backend": t.web_search_backend,
-                "image_backend": t.image_backend, "image_model": t.image_model}
+        return self.fingerprint_fields()[TOOL_BACKENDS]
 
     @property
     def request_prices(self) -> Prices | None:
@@ -204,9 +233,19 @@ class RunConfig(BaseModel):
         return body or None
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        fields = {name: getattr(self, name) for name in FINGERPRINT_FIELDS}
-        if self.scorer:  # only then: the fingerprint of a run without scorers stays what it was
-            fields.update({name: getattr(self, name) for name in SCORING_FINGERPRINT_FIELDS})
+        """The options whose change makes new rows incomparable with old ones: the fields declared
+        with `fingerprint` (runner/input/flag_declaration.py), here and in the tool settings."""
+        fields: dict[str, Any] = {}
+        for owner in (self, self.tools):
+            for name, info in type(owner).model_fields.items():
+                key = fingerprint_key(info)
+                condition = fingerprint_condition(info)
+                if condition and not getattr(owner, condition):
+                    continue
+                if key is True:
+                    fields[name] = getattr(owner, name)
+                elif key:
+                    fields.setdefault(key, {})[name] = getattr(owner, name)
         return fields
 
     def fingerprint(self) -> str:
@@ -216,6 +255,51 @@ class RunConfig(BaseModel):
     def public_dict(self) -> dict:
         """Everything config.json records: no secret (SecretStr fields are excluded)."""
         return self.model_dump(mode="json")
+
+
+class RequestFlags(BaseModel):
+    """The flags that are no field of RunConfig: build_config (batch_runner.py) makes them into the
+    field each `sets` (the `provider` and `reasoning` request fields, the prices), with the checks
+    and messages of the functions below and of runner/execution/budget.py."""
+
+    providers_allowed: str | None = flag(
+        None, group=ORIGINAL, sets="provider", help="Comma list: OpenRouter provider.only.")
+    providers_ignored: str | None = flag(
+        None, group=ORIGINAL, sets="provider", help="Comma list: OpenRouter provider.ignore.")
+    providers_order: str | None = flag(
+        None, group=ORIGINAL, sets="provider", help="Comma list: OpenRouter provider.order.")
+    provider_sort: str | None = flag(
+        None, group=ORIGINAL, sets="provider", help="price, throughput or latency (OpenRouter provider.sort).")
+    reasoning_effort: str | None = flag(
+        None, group=ORIGINAL, sets="reasoning", help="none, minimal, low, medium, high, xhigh, max or ultra.")
+    reasoning_disabled: bool = flag(
+        False, group=ORIGINAL, sets="reasoning", help="Send reasoning effort 'none'; turns off the no-reasoning filter.",
+        details='It sends `reasoning: {"effort": "none"}`.')
+    price_input_per_mtok: float | None = flag(
+        None, sets="prices", help="USD per million input tokens, for replies whose endpoint reports no cost.",
+        details="Give both prices; a cost the endpoint does report still wins.")
+    price_output_per_mtok: float | None = flag(
+        None, sets="prices", help="USD per million output tokens (with --price_input_per_mtok).")
+    price_cached_input_per_mtok: float | None = flag(
+        None, sets="prices", shown="the input price", help="USD per million cached input tokens.")
+
+
+class Commands(BaseModel):
+    """The flags that say what this invocation does, rather than how the run is configured."""
+
+    resume: bool = flag(False, group=ORIGINAL, help="Continue the run: skip committed rows, retry failed ones.")
+    list_distributions: bool = flag(False, group=ORIGINAL, shown="", help="Print the toolset distributions and exit.")
+    overwrite: bool = flag(
+        False, help="Delete the run's earlier outputs and start again.",
+        details="Only the files the runner writes (and its temp files), never a dataset or anything else kept "
+                "in the folder.")
+    allow_config_change: bool = flag(False, help="Let --resume continue with a changed configuration.")
+    report: bool = flag(
+        False, shown="", help="With --run_name: rebuild report.html, statistics.json and trajectories.jsonl from "
+                              "the run's files (nothing run) and exit.")
+    rescore: bool = flag(
+        False, shown="", help="With --run_name and --scorer: score the committed samples again (judge requests only), "
+                              "rebuild the outputs and exit.")
 
 
 class ReportOptions(BaseModel):
@@ -251,18 +335,6 @@ class RescoreOptions(BaseModel):
     @property
     def request_prices(self) -> Prices | None:
         return self.prices
-
-
-def flag_default(name: str) -> str | None:
-    """The default of the flag that sets this field, as `--help` shows it (None: no such field)."""
-    for model in (RunConfig, ToolSettings):
-        field = model.model_fields.get(name)
-        if field is not None:
-            value = field.get_default(call_default_factory=True)
-            if isinstance(value, float):
-                return f"{value:g}"
-            return ",".join(value) if isinstance(value, list) else str(value)  # as the flag is written
-    return None
 
 
 def diff_fingerprints(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

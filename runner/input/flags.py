@@ -1,4 +1,10 @@
-"""The command-line flags: one table that both checks the command line and writes `--help`.
+"""The command-line flags, derived from their declarations: main()'s parameters, --help, docs/flags.md.
+
+Each flag is declared once, with `flag(...)` on the field it sets (runner/input/flag_declaration.py),
+in one of the SECTIONS below; the section says where the value goes. Everything else is read from
+those declarations: the parameters fire binds (`main_signature`), --help (`format_help`), the flags
+reference docs/flags.md (`python -m runner.input.flags` writes it; a test checks it is current) and
+the fingerprint (runner/input/config.py).
 
 python-fire parses the command line, but it only rejects a leftover argument after `main()` has
 returned, and `main()` never returns (it exits with the run's code). So the command line is
@@ -10,123 +16,141 @@ anything starts, instead of being ignored while a paid model runs with the defau
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
+import types
 from dataclasses import dataclass
+from typing import Annotated, Literal, Union, get_args, get_origin
 
-from tools.environments import backend_choices
+from runner.input.config import Commands, RequestFlags, RunConfig
+from runner.input.flag_declaration import GROUPS, NEW, ORIGINAL, declaration, fingerprint_key
+from tools.settings import ToolSettings
 
-ORIGINAL = "The original's flags"
-NEW = "New flags"
+__all__ = ["NEW", "ORIGINAL", "FLAGS", "FLAG_NAMES", "SECTIONS", "Flag"]
 
-
-# The flag's default is its config field's (runner/input/config.py), where it is defined once.
-CONFIG = "<the config field's default>"
+# Where a flag's value goes: the model whose field declares it.
+SECTIONS = {
+    "run": RunConfig,  # the run's configuration
+    "tools": ToolSettings,  # RunConfig.tools, with the environment backends' sections
+    "request": RequestFlags,  # flags that build another field (build_config)
+    "command": Commands,  # what this invocation does (resume, report, ...)
+}
 
 
 @dataclass(frozen=True)
 class Flag:
     name: str
-    group: str  # the README's flags table the flag is listed in
-    default: str  # as shown to the user ("" when there is none), or CONFIG
+    section: str  # a key of SECTIONS
+    group: str  # the --help and docs/flags.md group it is listed in
     help: str  # one line
-
-    def shown_default(self) -> str:
-        if self.default != CONFIG:
-            return self.default
-        from runner.input.config import flag_default  # (pydantic: only imported for --help)
-
-        return flag_default(self.name)
+    kind: type  # how the command line reads its value: str, int, float or bool
+    default: str  # as shown to the user ("" when there is none, "required")
+    fingerprint: bool  # a change of it makes --resume refuse (without --allow_config_change)
+    details: str = ""  # docs/flags.md's text after the help line
 
 
-def _flags(group: str, *rows: tuple[str, str, str]) -> list[Flag]:
-    return [Flag(name, group, default, text) for name, default, text in rows]
+def _kind(annotation) -> type:
+    """str, int, float or bool: what the value of a field of this type is typed as."""
+    plain = _plain_types(annotation)
+    for kind in (bool, int, float):
+        if kind in plain:
+            return kind
+    return str  # text, a choice (Literal), a secret, a comma list
 
 
-FLAGS: list[Flag] = _flags(
-    ORIGINAL,
-    ("dataset_file", "required", "Input JSONL, one object with a 'prompt' per line."),
-    ("batch_size", "required", "Rows per output file batch_N.jsonl (does not limit parallelism)."),
-    ("run_name", "required", "Output folder <output_dir>/<run_name>/ (letters, digits, '.', '_', '-')."),
-    ("distribution", CONFIG, "Toolset distribution (--list_distributions shows them)."),
-    ("model", CONFIG, "Model id; 'mock' is the built-in offline model."),
-    ("api_key", "$OPENROUTER_API_KEY or $OPENAI_API_KEY", "API key of the model endpoint (the variable is safer: flags show in ps)."),
-    ("base_url", CONFIG, "OpenAI-compatible endpoint."),
-    ("max_turns", CONFIG, "Model calls per prompt (the agent's iteration limit)."),
-    ("num_workers", CONFIG, "Concurrent agent sessions."),
-    ("resume", "off", "Continue the run: skip committed rows, retry failed ones."),
-    ("verbose", "off", "Per-prompt logs (sampled toolsets, outcomes, tracebacks)."),
-    ("list_distributions", "", "Print the toolset distributions and exit."),
-    ("ephemeral_system_prompt", "", "Added to the system prompt at call time only; never saved."),
-    ("log_prefix_chars", CONFIG, "Length of the prompt preview in --verbose per-prompt lines."),
-    ("providers_allowed", "", "Comma list: OpenRouter provider.only."),
-    ("providers_ignored", "", "Comma list: OpenRouter provider.ignore."),
-    ("providers_order", "", "Comma list: OpenRouter provider.order."),
-    ("provider_sort", "", "price, throughput or latency (OpenRouter provider.sort)."),
-    ("max_tokens", "", "Output tokens per response."),
-    ("reasoning_effort", "", "none, minimal, low, medium, high, xhigh, max or ultra."),
-    ("reasoning_disabled", "off", "Send reasoning effort 'none'; turns off the no-reasoning filter."),
-    ("prefill_messages_file", "", "JSON array of {role, content} messages inserted at call time only."),
-    ("max_samples", "all", "Only the first N valid rows."),
-) + _flags(
-    NEW,
-    ("tool_choice", CONFIG, "auto, required or none: tool_choice sent with every request that offers tools."),
-    ("prompt_caching", CONFIG, "cache_control breakpoints: auto (Claude models on OpenRouter), on or off."),
-    ("seed", "drawn", "Reproducible toolset sampling (each row's sample depends on the seed and the row); "
-                      "without it one is drawn for the run and recorded in config.json."),
-    ("output_dir", CONFIG, "Parent of the run folder."),
-    ("skip_invalid", "off", "Run the valid rows of a dataset that has invalid lines."),
-    ("allow_duplicate_ids", "off", "Accept rows that share an 'id' (refused by default)."),
-    ("keep_no_reasoning", "off", "Keep rows whose model never reasoned."),
-    ("overwrite", "off", "Delete the run's earlier outputs and start again."),
-    ("allow_config_change", "off", "Let --resume continue with a changed configuration."),
-    ("num_processes", "CPU count", "Worker processes the sessions are spread over."),
-    ("prompt_timeout", "none", "Wall-clock limit of one prompt, seconds (the row fails as timeout)."),
-    ("request_timeout", CONFIG, "Limit of one model request, seconds (then retried)."),
-    ("max_requests_per_minute", "none", "Pace model requests for the whole run."),
-    ("grace_period", CONFIG, "After the first Ctrl-C, seconds in-flight prompts may take to finish."),
-    ("terminal_env", "$TERMINAL_ENV or local", f"Where commands run: {backend_choices()}."),
-    ("docker_image", "", "Image for rows that name none (--terminal_env=docker)."),
-    ("sandbox", "", "bwrap: run local commands under bubblewrap."),
-    ("keep_workdirs", "off", "Keep the per-prompt working directories (local backend)."),
-    ("command_timeout", CONFIG, "Default timeout of one terminal command, seconds."),
-    ("container_memory", "none", "Memory limit of each container (e.g. 2g)."),
-    ("container_cpus", "none", "CPU limit of each container."),
-    ("container_network", "no network", "Network of each container (e.g. bridge)."),
-    ("vision_model", "the run's model", "Model used by vision_analyze and browser_vision."),
-    ("moa_reference_models", CONFIG, "Comma list: reference models of mixture_of_agents."),
-    ("moa_aggregator_model", CONFIG, "Aggregator model of mixture_of_agents."),
-    ("web_search_backend", "first configured", "searxng, tavily, exa, brave or firecrawl."),
-    ("image_backend", "first configured", "fal or openai."),
-    ("image_model", "backend default", "Model of the image backend."),
-    ("executor", CONFIG, "local (process pool) or ray."),
-    ("ray_address", "", "Ray cluster address (auto)."),
-    ("sessions_per_node", "", "Sessions per Ray node."),
-    ("report", "", "With --run_name: rebuild report.html, statistics.json and trajectories.jsonl from the run's files (nothing run) and exit."),
-    ("report_samples", CONFIG, "Full conversations embedded in report.html."),
-    ("export", "", "Comma list of messages, dpo: training-ready files in <run>/export/ (with a run, or alone with --run_name)."),
-    ("price_input_per_mtok", "", "USD per million input tokens, for replies whose endpoint reports no cost."),
-    ("price_output_per_mtok", "", "USD per million output tokens (with --price_input_per_mtok)."),
-    ("price_cached_input_per_mtok", "the input price", "USD per million cached input tokens."),
-    ("max_cost", "none", "Budget in USD: no new row starts once spend (+ rows in flight) reaches it; exit 4."),
-    ("max_cost_hard", "off", "At the budget, cancel the rows in flight instead of letting them finish."),
-    ("max_cost_scope", CONFIG, "run: earlier invocations' spend counts against --max_cost; invocation: only this one."),
-    ("scorer", "none", "Comma list of scorers, the first primary: includes, exact, command, judge, path/to/file.py:function."),
-    ("pass_threshold", CONFIG, "A score passes when its value is at least this."),
-    ("verify_command", "the row's verify", "Shell command of the command scorer for every row (exit 0 passes)."),
-    ("verify_timeout", CONFIG, "Seconds a verify command (and each scorer but the judge) may take."),
-    ("judge_model", "", "Model of the judge scorer."),
-    ("judge_base_url", "--base_url", "OpenAI-compatible endpoint of the judge model."),
-    ("judge_rubric", "the row's rubric", "What the judge is told to look for, for every row."),
-    ("rescore", "", "With --run_name and --scorer: score the committed samples again (judge requests only), rebuild the outputs and exit."),
-)
+def _plain_types(annotation) -> set:
+    if get_origin(annotation) is Annotated:  # StrictInt is Annotated[int, Strict()]
+        return _plain_types(get_args(annotation)[0])
+    if get_origin(annotation) is Literal:
+        return {str}
+    if get_origin(annotation) in (Union, types.UnionType):
+        return {t for arg in get_args(annotation) for t in _plain_types(arg)}
+    return {annotation}
+
+
+def _shown_default(field, declared: str | None) -> str:
+    if declared is not None:
+        return declared
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return ",".join(value) if isinstance(value, list) else str(value)  # as the flag is written
+
+
+def _fingerprinted(model, name: str, sets: str | None) -> bool:
+    target = model.model_fields.get(sets or name)
+    if target is None:  # `sets` names a RunConfig field (the request flags)
+        target = RunConfig.model_fields[sets]
+    return bool(fingerprint_key(target))
+
+
+def _declared_flags() -> list[Flag]:
+    flags = []
+    for section, model in SECTIONS.items():
+        for name, field in model.model_fields.items():
+            declared = declaration(field)
+            if declared is None:
+                continue
+            kind = {"str": str, "int": int, "float": float, "bool": bool}.get(declared["kind"]) or _kind(field.annotation)
+            flags.append(Flag(name, section, declared["group"], declared["help"], kind,
+                              _shown_default(field, declared["shown"]), _fingerprinted(model, name, declared["sets"]),
+                              declared["details"]))
+    duplicated = {f.name for f in flags if [g.name for g in flags].count(f.name) > 1}
+    if duplicated:
+        raise RuntimeError(f"flags declared twice: {sorted(duplicated)}")
+    return [f for group in GROUPS for f in flags if f.group == group]
+
+
+FLAGS: list[Flag] = _declared_flags()
 FLAG_NAMES = [flag.name for flag in FLAGS]
+_BY_NAME = {flag.name: flag for flag in FLAGS}
+
+
+def flag_named(name: str) -> Flag:
+    return _BY_NAME[name]
+
+
+def text_flags() -> set[str]:
+    """The flags whose value is text: fire must hand them over as typed (a run named 1e3 is not the
+    number 1000.0, an API key of digits is not an int)."""
+    return {flag.name for flag in FLAGS if flag.kind is str}
+
+
+def bool_flags() -> set[str]:
+    """The flags that are on or off (their value must be one of BOOL_WORDS)."""
+    return {flag.name for flag in FLAGS if flag.kind is bool}
+
+
+def main_signature() -> inspect.Signature:
+    """main()'s parameters as fire sees them: every flag, keyword-only, None when not given (the
+    field's default applies then)."""
+    return inspect.Signature([inspect.Parameter(flag.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                                annotation=flag.kind) for flag in FLAGS])
+
+
+def by_section(values: dict) -> dict[str, dict]:
+    """The flags' values split by the section they go to; a name that is no flag raises TypeError."""
+    sections: dict[str, dict] = {section: {} for section in SECTIONS}
+    for name, value in values.items():
+        flag = _BY_NAME.get(name)
+        if flag is None:
+            raise TypeError(f"unknown flag {name!r}")
+        sections[flag.section][name] = value
+    return sections
+
 
 USAGE = (
     "usage: python batch_runner.py --dataset_file=FILE --batch_size=N --run_name=NAME [--flag=value ...]\n\n"
     "Run every prompt of a JSONL dataset through a tool-using agent and collect ShareGPT trajectories.\n"
     "Flags are written --flag=value or --flag value; a bare --flag is true and --noflag false;\n"
     "an on/off flag's value is true/false, yes/no, on/off or 1/0.\n"
-    "README.md explains each flag further.\n"
+    "docs/flags.md explains each flag further.\n"
     "Exit codes: 0 done, 1 bad input, 2 rows left, 3 provider stop, 4 cost budget, 5 storage error, 130 interrupted."
 )
 
@@ -138,11 +162,11 @@ class FlagError(ValueError):
 def format_help() -> str:
     width = max(len(name) for name in FLAG_NAMES) + 4
     lines = [USAGE]
-    for group in (ORIGINAL, NEW):
+    for group in GROUPS:
         lines.append(f"\n{group}:")
         for flag in FLAGS:
             if flag.group == group:
-                shown = flag.shown_default()
+                shown = flag.default
                 if shown == "required":
                     lines.append(f"  --{flag.name:<{width}}Required. {flag.help}")
                 else:
@@ -222,3 +246,43 @@ def check_argv(argv: list[str], text_flags: set[str], bool_flags: set[str] = fro
             checked.extend(argv[index:index + (1 if (has_value or bare) else 2)])
         index += 1 if (has_value or bare) else 2
     return checked
+
+
+_REFERENCE_INTRO = """\
+# Flags
+
+`python batch_runner.py --flag=value ...`. This page is generated from the flags' declarations
+(`python -m runner.input.flags > docs/flags.md`; a test checks that it is current), and
+`python batch_runner.py --help` prints the same list, one line a flag.
+
+How flags are written: `--flag value`, `--flag=value`, a bare boolean `--flag`, `--noflag` and
+`--hyphenated-name` all work. A flag that does not exist stops the run before anything starts
+(exit 1, naming the closest real flag), so a typo never runs a paid model with a default; so does a
+stray word that is not a flag's value (positional arguments are not used), and a lone `--` (fire
+would take what follows as its own options, and the run would ignore them). A boolean flag is a
+bare `--flag`, `--noflag`, or `--flag=VALUE` with VALUE one of true/false, yes/no, on/off, 1/0 (any
+case); any other value is refused (exit 1, naming the flag), so `--overwrite=no` is off. Text flags
+(`--run_name`, `--model`, `--api_key`, ...) are taken as typed: `--run_name=1e3` writes to
+`data/1e3`.
+
+*Fingerprint*: changing the flag changes what a row contains, so `--resume` refuses the change
+unless `--allow_config_change` is given.
+"""
+
+
+def flags_reference() -> str:
+    """docs/flags.md: every flag, by group, with its default and whether it is fingerprinted."""
+    lines = [_REFERENCE_INTRO]
+    for group in GROUPS:
+        lines += [f"## {group}", "", "| Flag | Default | Fingerprint | Meaning |", "|---|---|---|---|"]
+        for flag in FLAGS:
+            if flag.group == group:
+                default = flag.default if flag.default in ("", "required") else f"`{flag.default}`"
+                meaning = f"{flag.help} {flag.details}".strip().replace("|", "\\|").replace("<", "\\<")
+                lines.append(f"| `--{flag.name}` | {default} | {'yes' if flag.fingerprint else ''} | {meaning} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(flags_reference(), end="")

@@ -95,10 +95,22 @@ class Backend:
     # found before the run (docker). The other container backends fail such a row when it starts.
     rows_need_image = False
 
+    # The backend's pydantic config. It derives from the sections of tools/settings.py whose
+    # options the backend takes (CommandOptions, ContainerOptions, ...): from_settings copies them
+    # from the run's settings by name, so an option is declared once, in its section.
+    config_class: type
+
     @classmethod
     def from_settings(cls, settings: ToolSettings, *, task_id: str, image: str | None, cwd: str | None) -> Environment:
         """Build (not start) the environment of one session: `image` and `cwd` are the row's."""
-        raise NotImplementedError
+        options = {name: getattr(settings, name) for name in cls.config_class.model_fields
+                   if name in type(settings).model_fields}
+        return cls(cls.config_class(**options, **cls.session_options(settings, image), task_id=task_id, cwd=cwd))
+
+    @classmethod
+    def session_options(cls, settings: ToolSettings, image: str | None) -> dict[str, Any]:
+        """The config fields of one session that are not run options (the image of a container backend)."""
+        return {}
 
     @classmethod
     def cwd_error(cls, cwd: str, settings: ToolSettings) -> str | None:
@@ -125,6 +137,14 @@ def absolute_cwd_error(cwd: str, where: str, meaning: str) -> str | None:
     if cwd.startswith("/"):
         return None
     return f"'cwd' must be an absolute path under {where} ({meaning}), got {cwd!r}"
+
+
+class ContainerBackend(Backend):
+    """A backend that runs each session in a container made from the row's image or the run's default."""
+
+    @classmethod
+    def session_options(cls, settings: ToolSettings, image: str | None) -> dict[str, Any]:
+        return {"image": container_image(settings, image)}
 
 
 def container_image(settings: ToolSettings, image: str | None) -> str:

@@ -32,11 +32,11 @@ import uuid
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from .base import (EXEC_MARK, Backend, ExecResult, FileTooLargeError, OutputCapture, SandboxError, container_image,
+from .base import (EXEC_MARK, ContainerBackend, ExecResult, FileTooLargeError, OutputCapture, SandboxError,
                    kill_marked_processes_script, truncate_output)
-from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS, MAX_READ_BYTES
+from tools.settings import MAX_READ_BYTES, CommandOptions, ContainerOptions
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +73,18 @@ def exec_failure(code: int | None, output: bytes, command: list[str]) -> str:
     return said or f"exit code {code} from {' '.join(command)!r}, no output"
 
 
-class DockerConfig(BaseModel):
+class DockerConfig(ContainerOptions, CommandOptions):
+    """container_memory: swap is disabled so the limit is real; container_network None: no network
+    at all, else a Docker network mode or name."""
+
     image: str
     task_id: str
     cwd: str | None = None  # None: /workspace (see the module docstring)
-    memory: str | None = None  # e.g. "2g"; swap is disabled so the limit is real
-    cpus: float | None = None
-    network: str | None = None  # None: no network at all; else a Docker network mode or name
     labels: dict[str, str] = Field(default_factory=dict)  # e.g. abr.run_name, abr.run_id
-    max_output_chars: int = MAX_OUTPUT_CHARS
-    command_timeout: float = COMMAND_TIMEOUT
 
 
-class DockerEnvironment(Backend):
+class DockerEnvironment(ContainerBackend):
+    config_class = DockerConfig
     rows_need_image = True
 
     def __init__(self, config: DockerConfig, *, client: docker.DockerClient | None = None):
@@ -98,14 +97,10 @@ class DockerEnvironment(Backend):
         self._user = ""
 
     @classmethod
-    def from_settings(cls, settings, *, task_id: str, image: str | None, cwd: str | None) -> DockerEnvironment:
+    def session_options(cls, settings, image: str | None) -> dict:
         # The container itself adds abr.task_id and its owner (os.getpid() and host) at start.
-        return cls(DockerConfig(
-            image=container_image(settings, image), task_id=task_id, cwd=cwd,
-            memory=settings.container_memory, cpus=settings.container_cpus, network=settings.container_network,
-            labels={"abr.run_name": settings.run_name, "abr.run_id": settings.run_id},
-            max_output_chars=settings.max_output_chars, command_timeout=settings.command_timeout,
-        ))
+        return {**super().session_options(settings, image),
+                "labels": {"abr.run_name": settings.run_name, "abr.run_id": settings.run_id}}
 
     @classmethod
     def prepare_run(cls, settings, images, *, say, log) -> dict[str, str]:
@@ -155,10 +150,10 @@ class DockerEnvironment(Backend):
                 labels=labels,
                 init=True,
                 detach=True,
-                network_mode=config.network or "none",
-                mem_limit=config.memory,
-                memswap_limit=config.memory,
-                nano_cpus=int(config.cpus * 1e9) if config.cpus else None,
+                network_mode=config.container_network or "none",
+                mem_limit=config.container_memory,
+                memswap_limit=config.container_memory,
+                nano_cpus=int(config.container_cpus * 1e9) if config.container_cpus else None,
             )
         except ImageNotFound as exc:
             raise SandboxError(

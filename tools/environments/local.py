@@ -35,14 +35,13 @@ import threading
 import time
 import uuid
 
-from pydantic import BaseModel
 
 from tools.environments.base import (
     Backend, ExecResult, FileTooLargeError, OutputCapture, SandboxError, absolute_cwd_error, command_finished, forget_marked_processes,
     environ_of, keep_processes_marked, kill_orphans, own_descendants, quote, read_at_most, start_command,
     truncate_output,
 )  # fmt: skip
-from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS, MAX_READ_BYTES
+from tools.settings import MAX_READ_BYTES, CommandOptions, LocalOptions
 
 BWRAP_MISSING = "--sandbox=bwrap needs bubblewrap: apt-get install bubblewrap"
 # Variables that look like credentials never reach commands: a model that runs `env` would
@@ -68,17 +67,14 @@ _SANDBOX_USER = "nobody"
 _DROP_CAPABILITIES = ["--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all"]
 
 
-class LocalConfig(BaseModel):
+class LocalConfig(LocalOptions, CommandOptions):
     task_id: str
-    workdir_root: str | None = None  # parent of the per-prompt working directories (default: temp dir)
     cwd: str | None = None  # the row's own working directory: used as is and never deleted
-    keep_workdir: bool = False
-    sandbox: str | None = None  # "bwrap" or None
-    max_output_chars: int = MAX_OUTPUT_CHARS
-    command_timeout: float = COMMAND_TIMEOUT
 
 
 class LocalEnvironment(Backend):
+    config_class = LocalConfig
+
     def __init__(self, config: LocalConfig):
         self.config = config
         self.workdir = ""
@@ -102,14 +98,6 @@ class LocalEnvironment(Backend):
                         f"sandbox's own workdir), got {cwd!r}")
             return None
         return absolute_cwd_error(cwd, "--terminal_env=local", "a folder of this machine")
-
-    @classmethod
-    def from_settings(cls, settings, *, task_id: str, image: str | None, cwd: str | None) -> LocalEnvironment:
-        """The local backend has no image: it ignores the row's."""
-        return cls(LocalConfig(
-            task_id=task_id, workdir_root=settings.workdir_root, cwd=cwd, keep_workdir=settings.keep_workdirs,
-            sandbox=settings.sandbox, max_output_chars=settings.max_output_chars, command_timeout=settings.command_timeout,
-        ))
 
     @classmethod
     def clean_task_leftovers(cls, settings, task_ids: list[str], *, log) -> None:
@@ -332,7 +320,7 @@ class LocalEnvironment(Backend):
             self._holder.kill()
             self._holder.communicate()
             self._holder = None
-        if self._owns_workdir and not self.config.keep_workdir:
+        if self._owns_workdir and not self.config.keep_workdirs:
             shutil.rmtree(self._workdir_root, onerror=_force_remove)
             self._owns_workdir = False
         elif self._sandbox_dir:  # kept: nothing the sandbox made stays setuid or setgid on the host

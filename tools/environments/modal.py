@@ -18,10 +18,8 @@ import posixpath
 import re
 import time
 
-from pydantic import BaseModel
-
-from .base import Backend, ExecResult, FileTooLargeError, SandboxError, container_image, truncate_output
-from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS, MAX_READ_BYTES
+from .base import ContainerBackend, ExecResult, FileTooLargeError, SandboxError, truncate_output
+from tools.settings import MAX_READ_BYTES, CommandOptions, ContainerOptions
 
 DEFAULT_CWD = "/workspace"
 KEEP_ALIVE = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done"
@@ -49,43 +47,34 @@ def _mebibytes(size: str) -> int:
     return max(1, int(number * factor))
 
 
-class ModalConfig(BaseModel):
+class ModalConfig(ContainerOptions, CommandOptions):
+    """container_memory is given to Modal in MiB; container_network None: block_network=True, any
+    value: network allowed."""
+
     image: str  # a registry image, e.g. "python:3.11-slim"
     task_id: str
     cwd: str | None = None  # None: /workspace
-    memory: str | None = None  # e.g. "2g" (Modal takes MiB)
-    cpus: float | None = None
-    network: str | None = None  # None: block_network=True; any value: network allowed
     app_name: str = "agent-batch-runner"
     sandbox_lifetime: int = 3600  # seconds before Modal ends the sandbox (its `timeout`)
-    max_output_chars: int = MAX_OUTPUT_CHARS
-    command_timeout: float = COMMAND_TIMEOUT
 
 
-class ModalEnvironment(Backend):
+class ModalEnvironment(ContainerBackend):
+    config_class = ModalConfig
     def __init__(self, config: ModalConfig):
         self.config = config
         self.workdir = config.cwd or DEFAULT_CWD
         self._sandbox = None
-
-    @classmethod
-    def from_settings(cls, settings, *, task_id: str, image: str | None, cwd: str | None) -> ModalEnvironment:
-        return cls(ModalConfig(
-            image=container_image(settings, image), task_id=task_id, cwd=cwd,
-            memory=settings.container_memory, cpus=settings.container_cpus, network=settings.container_network,
-            max_output_chars=settings.max_output_chars, command_timeout=settings.command_timeout,
-        ))
 
     def start(self) -> None:
         if self._sandbox is not None:
             return
         modal = _import_modal()
         config = self.config
-        options = {"timeout": config.sandbox_lifetime, "workdir": self.workdir, "block_network": config.network is None}
-        if config.cpus:
-            options["cpu"] = config.cpus
-        if config.memory:
-            options["memory"] = _mebibytes(config.memory)
+        options = {"timeout": config.sandbox_lifetime, "workdir": self.workdir, "block_network": config.container_network is None}
+        if config.container_cpus:
+            options["cpu"] = config.container_cpus
+        if config.container_memory:
+            options["memory"] = _mebibytes(config.container_memory)
         try:
             app = modal.App.lookup(config.app_name, create_if_missing=True)
             image = modal.Image.from_registry(config.image)

@@ -27,11 +27,10 @@ import time
 import uuid
 from typing import Callable
 
-from pydantic import BaseModel
 
-from .base import (EXEC_MARK, Backend, ExecResult, FileTooLargeError, OutputCapture, SandboxError, container_image,
+from .base import (EXEC_MARK, ContainerBackend, ExecResult, FileTooLargeError, OutputCapture, SandboxError,
                    kill_marked_processes_script, read_at_most, truncate_output)
-from tools.settings import COMMAND_TIMEOUT, MAX_OUTPUT_CHARS, MAX_READ_BYTES
+from tools.settings import MAX_READ_BYTES, CommandOptions, ContainerOptions, WorkdirOptions
 
 DEFAULT_CWD = "/workspace"
 
@@ -74,21 +73,19 @@ def run_command(argv: list[str], *, input: bytes | None = None, timeout: float |
     return code, output.data()
 
 
-class SingularityConfig(BaseModel):
+class SingularityConfig(ContainerOptions, WorkdirOptions, CommandOptions):
+    """workdir_root: host parent of the per-prompt directories (None: system temp);
+    container_network None: no network, "host": share the host's."""
+
     image: str
     task_id: str
     cwd: str | None = None  # inside the instance; None: /workspace
-    workdir_root: str | None = None  # host parent of the per-prompt directories; None: system temp
-    keep_workdir: bool = False
-    memory: str | None = None
-    cpus: float | None = None
-    network: str | None = None  # None: no network; "host": share the host's
     executable: str | None = None  # None: apptainer, else singularity, whichever is on PATH
-    max_output_chars: int = MAX_OUTPUT_CHARS
-    command_timeout: float = COMMAND_TIMEOUT
 
 
-class SingularityEnvironment(Backend):
+class SingularityEnvironment(ContainerBackend):
+    config_class = SingularityConfig
+
     def __init__(self, config: SingularityConfig, *, runner: Runner = run_command):
         self.config = config
         self.workdir = config.cwd or DEFAULT_CWD
@@ -97,15 +94,6 @@ class SingularityEnvironment(Backend):
         self._run = runner
         self._exe = config.executable
         self._started = False
-
-    @classmethod
-    def from_settings(cls, settings, *, task_id: str, image: str | None, cwd: str | None) -> SingularityEnvironment:
-        return cls(SingularityConfig(
-            image=container_image(settings, image), task_id=task_id, cwd=cwd,
-            memory=settings.container_memory, cpus=settings.container_cpus, network=settings.container_network,
-            workdir_root=settings.workdir_root, keep_workdir=settings.keep_workdirs,
-            max_output_chars=settings.max_output_chars, command_timeout=settings.command_timeout,
-        ))
 
     @property
     def image_uri(self) -> str:
@@ -125,14 +113,14 @@ class SingularityEnvironment(Backend):
         self.host_dir = tempfile.mkdtemp(prefix=f"{self.name}-", dir=self.config.workdir_root)
         argv = [self._exe, "instance", "start", "--containall", "--no-home", "--writable-tmpfs",
                 "--bind", f"{self.host_dir}:{self.workdir}"]
-        if self.config.memory:
-            argv += ["--memory", self.config.memory]
-        if self.config.cpus:
-            argv += ["--cpus", f"{self.config.cpus:g}"]
-        if self.config.network is None:
+        if self.config.container_memory:
+            argv += ["--memory", self.config.container_memory]
+        if self.config.container_cpus:
+            argv += ["--cpus", f"{self.config.container_cpus:g}"]
+        if self.config.container_network is None:
             argv += ["--net", "--network", "none"]
-        elif self.config.network != "host":
-            argv += ["--net", "--network", self.config.network]
+        elif self.config.container_network != "host":
+            argv += ["--net", "--network", self.config.container_network]
         argv += [self.image_uri, self.name]
         code, output = self._run(argv, timeout=1800)  # the first start may build the image
         if code != 0:
@@ -194,7 +182,7 @@ class SingularityEnvironment(Backend):
                 self._run([self._exe, "instance", "stop", self.name], timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-        if self.host_dir and not self.config.keep_workdir:
+        if self.host_dir and not self.config.keep_workdirs:
             shutil.rmtree(self.host_dir, ignore_errors=True)
             self.host_dir = None
 

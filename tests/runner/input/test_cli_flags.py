@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -135,30 +137,33 @@ def test_help_has_one_described_line_per_flag_with_full_defaults(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
-def test_flag_table_is_main_signature_and_readme():
-    """One table: the flags main() takes, each listed in the README table of its group."""
+def test_main_takes_the_declared_flags_and_docs_list_them_as_declared():
+    """One declaration per flag: main()'s parameters and docs/flags.md are derived from it."""
+    from runner.input.flags import flags_reference
+
     assert FLAG_NAMES == list(inspect.signature(batch_runner.main).parameters)
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    original = readme.split("## Flags", 1)[1].split("New flags:", 1)[0]
-    new = readme.split("New flags:", 1)[1].split("Exit codes:", 1)[0]
+    assert (REPO / "docs" / "flags.md").read_text(encoding="utf-8") == flags_reference(), (
+        "docs/flags.md is out of date: python -m runner.input.flags > docs/flags.md")
+    proc = subprocess.run([sys.executable, "-m", "runner.input.flags"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout == flags_reference(), proc.stderr
+    reference = flags_reference()
     for flag in FLAGS:
-        section = original if flag.group == ORIGINAL else new
-        assert re.search(rf"`--{flag.name}`", section), f"--{flag.name} missing from the README's {flag.group!r} table"
+        assert reference.count(f"| `--{flag.name}` |") == 1, flag.name
+    assert "(docs/flags.md)" in (REPO / "README.md").read_text(encoding="utf-8")
 
 
 def test_each_default_is_defined_once_on_its_config_field():
     """main() leaves every option None (not given): the config models hold the defaults, which
-    --help shows; a flag whose help names a default without a field default would be a second one."""
-    from runner.input.config import RunConfig, flag_default
-    from runner.input.flags import CONFIG
+    --help shows."""
+    from runner.input.config import RunConfig
 
-    switches = {"resume", "list_distributions", "report", "overwrite", "allow_config_change", "rescore"}
     for name, param in inspect.signature(batch_runner.main).parameters.items():
-        assert param.default is (False if name in switches else None), name
-    for flag in FLAGS:
-        if flag.default == CONFIG:
-            assert flag_default(flag.name) not in (None, "None", ""), flag.name
-    assert flag_default("command_timeout") == "180" and flag_default("request_timeout") == "600"
+        assert param.default is None, name
+    shown = {flag.name: flag.default for flag in FLAGS}
+    assert shown["command_timeout"] == "180" and shown["request_timeout"] == "600"
+    assert shown["max_turns"] == str(RunConfig.model_fields["max_turns"].default)
+    assert shown["dataset_file"] == "required" and shown["resume"] == "off"
     config = batch_runner.build_config(dataset_file="d.jsonl", batch_size=1, run_name="r", model="mock")
     assert config.model_dump(exclude={"tools"}) == RunConfig(dataset_file="d.jsonl", batch_size=1, run_name="r",
                                                              model="mock").model_dump(exclude={"tools"})

@@ -163,7 +163,7 @@ def test_huge_output_is_truncated(make_env):
 
 
 def test_limits_are_applied(client, make_env):
-    env = make_env(memory="64m", cpus=0.5)
+    env = make_env(container_memory="64m", container_cpus=0.5)
     env.start()
     try:
         host_config = client.containers.get(env.name).attrs["HostConfig"]

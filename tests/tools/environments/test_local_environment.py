@@ -112,7 +112,7 @@ def test_workdir_is_named_after_the_task_and_removed(make_env, tmp_path):
 
 
 def test_keep_workdir(make_env):
-    env = make_env(keep_workdir=True)
+    env = make_env(keep_workdirs=True)
     env.write_file("result.txt", b"kept")
     env.cleanup()
     assert open(os.path.join(env.workdir, "result.txt")).read() == "kept"
@@ -169,7 +169,8 @@ def test_secrets_are_not_passed_to_commands(make_env, monkeypatch):
 
 
 def test_unknown_sandbox_is_refused(tmp_path):
-    with pytest.raises(SandboxError, match="bwrap"):
+    """By the option's own check (the config shares it with --sandbox), before anything starts."""
+    with pytest.raises(ValueError, match="bwrap"):
         LocalEnvironment(LocalConfig(task_id="t", workdir_root=str(tmp_path), sandbox="firejail")).start()
 
 

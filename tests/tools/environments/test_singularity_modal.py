@@ -71,7 +71,7 @@ def test_singularity_start_command_line(runner, tmp_path):
 
 
 def test_singularity_limits_network_and_cwd(runner, tmp_path):
-    env = singularity(runner, tmp_path, memory="2g", cpus=1.5, network="host", cwd="/testbed")
+    env = singularity(runner, tmp_path, container_memory="2g", container_cpus=1.5, container_network="host", cwd="/testbed")
     env.start()
     assert runner.argvs[0] == [
         "apptainer", "instance", "start", "--containall", "--no-home", "--writable-tmpfs",
@@ -309,7 +309,7 @@ def started_modal(**options) -> ModalEnvironment:
 
 
 def test_modal_start_calls(fake_modal):
-    started_modal(memory="2g", cpus=2)
+    started_modal(container_memory="2g", container_cpus=2)
     assert fake_modal.log == [
         ("App.lookup", ("agent-batch-runner",), {"create_if_missing": True}),
         ("Image.from_registry", ("python:3.11-slim",), {}),
@@ -321,7 +321,7 @@ def test_modal_start_calls(fake_modal):
 
 
 def test_modal_network_and_cwd(fake_modal):
-    started_modal(network="bridge", cwd="/testbed")
+    started_modal(container_network="bridge", cwd="/testbed")
     options = fake_modal.log[-1][2]
     assert options["block_network"] is False and options["workdir"] == "/testbed"
 
@@ -409,7 +409,7 @@ def test_registry_container_backends_take_row_image_then_default():
     env = create_environment(settings("singularity", docker_image="base:1", container_memory="1g"),
                              task_id="t", image="row:2", cwd="/src")
     assert isinstance(env, SingularityEnvironment)
-    assert (env.config.image, env.config.cwd, env.config.memory) == ("row:2", "/src", "1g")
+    assert (env.config.image, env.config.cwd, env.config.container_memory) == ("row:2", "/src", "1g")
     modal_settings = settings("modal", docker_image="base:1", command_timeout=9)
     env = create_environment(modal_settings, task_id="t", image=None, cwd=None)
     assert isinstance(env, ModalEnvironment)
@@ -423,7 +423,7 @@ def test_registry_docker_labels_and_limits():
                              task_id="t9", image="img:1", cwd=None)
     assert isinstance(env, DockerEnvironment)
     assert env.config.labels == {"abr.run_name": "r", "abr.run_id": "id1"}
-    assert (env.config.cpus, env.config.network, env.config.task_id, env.workdir) == (0.5, "bridge", "t9", "/workspace")
+    assert (env.config.container_cpus, env.config.container_network, env.config.task_id, env.workdir) == (0.5, "bridge", "t9", "/workspace")
 
 
 @pytest.mark.parametrize("backend", ["docker", "singularity", "modal"])
