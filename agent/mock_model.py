@@ -108,6 +108,36 @@ def _estimate_tokens(messages: list[dict]) -> int:
     return sum(len(str(m.get("content") or "")) for m in messages) // 4 + 1
 
 
+def _session_messages(messages: list[dict]) -> list[dict]:
+    """The request without the prefilled example exchange (--prefill_messages): a session's own
+    assistant turns all call tools (its final answer ends it), so the messages after the last
+    assistant message without tool calls are the session's."""
+    start = 0
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant" and not message.get("tool_calls"):
+            start = i + 1
+    return messages[start:]
+
+
+def _row_prompt(messages: list[dict]) -> Any:
+    """The row's prompt: the last user message before the session's first assistant turn (prefilled
+    user messages come before it; the loop's own notes come after)."""
+    prompt: Any = ""
+    for message in messages:
+        if message.get("role") == "assistant":
+            break
+        if message.get("role") == "user":
+            prompt = message.get("content") or ""
+    return prompt
+
+
+def answered_as(model: str) -> str:
+    """The name a request's spend is listed under: the mock answers in place of every model a tool
+    names (mixture_of_agents' reference models, say), and a spend listed under that model's own name
+    would read as paid traffic."""
+    return model if model == "mock" else f"mock (for {model})"
+
+
 class MockModelClient:
     """Drop-in replacement for ModelClient.complete(), answering from `plan_tool_calls`."""
 
@@ -133,15 +163,16 @@ class MockModelClient:
             "cost": None,  # priced by the run's prices: free (0) unless --price_* flags are given
         }
         if stats is not None:
-            stats.count_request(model)
-            stats.add_usage(reply.usage, model)
+            stats.count_request(answered_as(model))
+            stats.add_usage(reply.usage, answered_as(model))
         return reply
 
     async def close(self) -> None:
         return None
 
     def _reply(self, messages: list[dict], tools: list[dict]) -> ModelReply:
-        prompt = next((m.get("content") or "" for m in messages if m.get("role") == "user"), "")
+        messages = _session_messages(messages)
+        prompt = _row_prompt(messages)
         if not isinstance(prompt, str):  # multimodal request (vision): answer about the text part
             prompt = " ".join(p.get("text", "") for p in prompt if isinstance(p, dict))
         if not tools:

@@ -38,3 +38,23 @@ def test_a_megabyte_prompt_runs_through_the_cli_quickly(tmp_path):
     assert time.monotonic() - started < 60
     [row] = read_jsonl(tmp_path / "data" / "big" / "trajectories.jsonl")
     assert row["conversations"][1]["value"] == prompt
+
+
+def test_tool_models_answered_by_the_mock_are_labelled_as_the_mock(tmp_path):
+    """mixture_of_agents under --model=mock asks the offline model in the reference and aggregator
+    models' place: the spend lists those requests as the mock's, so nothing reads as paid traffic."""
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "Give your opinion: compare the pros and cons of tabs"}) + "\n")
+    proc = run_cli(["--dataset_file=d.jsonl", "--batch_size=5", "--run_name=moa", "--model=mock",
+                    "--distribution=default"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = read_jsonl(tmp_path / "data" / "moa" / "trajectories.jsonl")[0]
+    assert "mixture_of_agents" in row["metadata"]["tools_offered"] and row["tool_stats"]["mixture_of_agents"]["count"] == 1
+    models = {entry["model"]: entry["requests"] for entry in row["metadata"]["usage"]["by_model"]}
+    assert models["mock (for anthropic/claude-sonnet-4.6)"] == 2  # a reference model and the aggregator
+    assert models["mock (for openai/gpt-5)"] == 1
+    assert all(name == "mock" or name.startswith("mock (for ") for name in models), models
+    stats = json.loads((tmp_path / "data" / "moa" / "statistics.json").read_text())
+    assert set(stats["spend_by_model"]) == set(models)
+    by_model = next(line for line in proc.stdout.splitlines() if "by model:" in line)
+    assert "mock (for anthropic/claude-sonnet-4.6) 2 requests" in by_model
+    assert "; anthropic/" not in by_model and ": anthropic/" not in by_model
