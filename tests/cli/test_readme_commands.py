@@ -128,3 +128,31 @@ def test_scoring_page_commands_work(tmp_path):
     kept = {row["metadata"]["id"]: row["metadata"]["scores"] for row in read_jsonl(tmp_path / "data" / "py" / "trajectories.jsonl")}
     assert kept["plan"][0]["value"] == 1.0 and kept["plan"][0]["explanation"] == "plan.md has 3 lines"
     assert kept["sum"][0]["value"] == 0.0 and all(scores[1]["value"] == 1.0 for scores in kept.values())
+
+
+def test_python_api_page_example_runs(tmp_path):
+    """docs/python-api.md's script, on the example prompts and the offline model: every row answers
+    its own prompt, and the prefilled example exchange is sent but never saved."""
+    from tests.conftest import read_jsonl
+
+    script = _doc_python("python-api.md")
+    offline = script.replace('dataset_file="prompts.jsonl"', 'dataset_file="data/example_prompts.jsonl"') \
+                    .replace('model="anthropic/claude-sonnet-4.6"', 'model="mock"')
+    assert offline.count('"mock"') == 1 and "example_prompts" in offline  # the two substitutions, nothing else
+    (tmp_path / "data").mkdir()
+    shutil.copy(REPO / "data" / "example_prompts.jsonl", tmp_path / "data")
+    (tmp_path / "my_batch.py").write_text(offline + "    raise SystemExit(code)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENROUTER_API_KEY", "OPENAI_API_KEY", "TERMINAL_ENV")}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([sys.executable, "my_batch.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    prompts = {row["id"]: row["prompt"] for row in read_jsonl(tmp_path / "data" / "example_prompts.jsonl")}
+    rows = read_jsonl(tmp_path / "data" / "my_run" / "trajectories.jsonl")
+    assert {row["metadata"]["id"] for row in rows} == set(prompts)
+    for row in rows:
+        turns = row["conversations"]
+        assert turns[1] == {"from": "human", "value": prompts[row["metadata"]["id"]]}
+        assert "/etc/hostname" not in json.dumps(turns)  # the prefill is neither saved nor taken as the prompt
+    commands = {row["metadata"]["id"]: json.dumps(row["conversations"][2:]) for row in rows}
+    assert "plan.md" in commands["ex-02"] and "i <= 100" in commands["ex-03"]  # each row's own tool calls
