@@ -1,0 +1,66 @@
+"""Claims of README.md and docs/*.md that could drift from the behaviour, checked against it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from tests.conftest import REPO, read_jsonl, run_cli, write_jsonl
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    return {_anchor(h) for h in re.findall(r"(?m)^#+ (.+)$", text)}
+
+
+def test_every_link_between_the_pages_reaches_a_file_of_the_repository_and_its_heading():
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            where = (page.parent / path).resolve() if path else page
+            assert where.is_relative_to(REPO) and where.exists(), f"{page.name}: {target} is not a file of the repository"
+            if anchor:
+                assert anchor in _anchors(where), f"{page.name}: {target}: no such heading"
+        assert "shared/reference" not in page.read_text(encoding="utf-8"), page.name
+
+
+def test_loop_notes_are_metadata_not_turns_as_the_differences_page_says(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "Run the echo command in the shell, then count lines"}) + "\n")
+    proc = run_cli(["--dataset_file=d.jsonl", "--batch_size=5", "--run_name=r", "--model=mock",
+                    "--distribution=terminal_only", "--max_turns=1"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")[0]
+    assert row["metadata"]["stop_reason"] == "turn_limit"
+    assert row["metadata"]["loop_notes"].startswith("after turn ")  # the turn-limit summary request
+    roles = [turn["from"] for turn in row["conversations"]]
+    assert roles[:2] == ["system", "human"] and set(roles[2:]) <= {"gpt", "tool"}
+    differences = (REPO / "docs" / "differences.md").read_text(encoding="utf-8")
+    row_text = next(line for line in differences.splitlines() if "loop notes" in line)
+    assert "`metadata.loop_notes`" in row_text and "`system` turns" not in row_text.split("|")[2]
+
+
+def test_an_unknown_cost_is_recorded_as_the_cost_page_says(tmp_path, model_server):
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "@cost none\nUnpriced."}])
+    proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=4", f"--base_url={model_server.base_url}",
+                    "--model=test-model", "--api_key=x", "--distribution=terminal_only"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    usage = read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")[0]["metadata"]["usage"]
+    assert usage["cost"] == 0.0 and usage["unpriced_requests"] == usage["requests"] > 0
+    assert json.loads((tmp_path / "data" / "r" / "statistics.json").read_text())["cost"] is None
+    assert "cost unknown" in proc.stdout
+    page = (REPO / "docs" / "cost-and-budget.md").read_text(encoding="utf-8")
+    claim = page.split("**unknown**", 1)[1].split("The\nbuilt-in", 1)[0]
+    assert "`0.0` when none is" in claim and "`metadata.usage.unpriced_requests`" in claim
+    assert "`cost: null`" in claim and '"cost unknown"' in claim
+    outputs = (REPO / "docs" / "outputs.md").read_text(encoding="utf-8")
+    assert "`usage.cost` is always a number" in outputs and "`metadata.usage.cost` is `null`" not in page + outputs
