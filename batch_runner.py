@@ -325,6 +325,7 @@ def build_config(**flags: Any):
     _require_api_key(config)
     config = config.model_copy(update=_checked(cost_options, cost_flags, config.model, config.base_url))
     _require_installed(config)
+    _check_compression(config)
     _checked(check_scoring, config)
     if "dpo" in (config.export or []) and not config.scorer:
         raise UsageError("--export=dpo needs scored samples: add --scorer (and several samples per prompt)")
@@ -386,6 +387,27 @@ def check_scoring(config) -> None:
         if not config.api_key and not _LOOPBACK.match(endpoint):
             raise ValueError(f"no API key for the judge's endpoint {endpoint}: pass --api_key or set "
                              "OPENROUTER_API_KEY (or OPENAI_API_KEY)")
+
+
+def _check_compression(config) -> None:
+    """--compress_to_tokens and the summariser's options: checked (the tokenizer loaded) before the run."""
+    from pydantic import ValidationError
+
+    from runner.compress.after_run import SUMMARISER_FIELDS, compressor_for
+    from runner.compress.tokens import TokenizerError
+
+    if not config.compress_to_tokens:
+        given = [name for name in (*SUMMARISER_FIELDS, "summary_model") if getattr(config, name) is not None]
+        if given:
+            raise UsageError(f"--{given[0]} is an option of --compress_to_tokens, which is not given")
+        return
+    try:
+        compressor_for(Path(config.output_dir) / config.run_name, config)
+    except TokenizerError as err:
+        raise UsageError(str(err)) from None
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        raise UsageError(f"--{first['loc'][0]}: {first['msg'].lower()}") from None
 
 
 def _require_installed(config) -> None:
@@ -720,7 +742,30 @@ class BatchRunner:
         self._write_exports(view)
         self._monitor.close(self._end_state(stats["outcomes"]))  # before the report, which shows it
         self._write_report(view, stats)
-        return self._exit_code(stats["outcomes"])
+        code = self._exit_code(stats["outcomes"])
+        if config.compress_to_tokens and not self.stopping:
+            code = self._compress(code)
+        return code
+
+    def _compress(self, code: int) -> int:
+        """--compress_to_tokens: trajectories_compressed.jsonl from trajectories.jsonl (left as it is).
+        The run's exit code, or the compression's when it stopped or left rows uncompressed."""
+        from runner.compress.after_run import compress_run, compressor_for
+        from runner.compress.journal import JournalError
+        from runner.compress.run import stopped_message, summary_lines
+
+        print(f"\n🗜️  Compressing trajectories.jsonl to --compress_to_tokens={self.config.compress_to_tokens:,}...")
+        compressor = compressor_for(self.run_dir, self.config)
+        try:
+            outcome = compress_run(compressor)
+        except JournalError as err:
+            print(f"❌ Not compressed: {err}", file=sys.stderr)
+            return code or EXIT_INCOMPLETE
+        if outcome.stopped:
+            print(stopped_message(outcome), file=sys.stderr)
+            return EXIT_FATAL_PROVIDER if outcome.stopped == "fatal" else EXIT_INTERRUPTED
+        print("\n".join(summary_lines(outcome.summary, compressor.metrics_path)))
+        return EXIT_INCOMPLETE if outcome.summary["rows_failed"] and code == EXIT_OK else code
 
     def _end_state(self, outcomes: dict) -> str:
         """status.json's last state: the same decision as _exit_code, as a word."""

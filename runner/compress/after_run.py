@@ -17,23 +17,29 @@ COMPRESSED_NAME = "trajectories_compressed.jsonl"
 METRICS_NAME = "trajectories_compressed.metrics.json"
 
 
-def compress_run(run_dir: Path, config) -> Outcome:
-    """Compress <run_dir>/trajectories.jsonl with the run's config (runner.input.config.RunConfig)."""
-    mock = config.model == "mock"
+SUMMARISER_FIELDS = ("tokenizer", "summary_target_tokens", "protect_last_n_turns", "max_concurrent_requests",
+                     "per_trajectory_timeout")
+
+
+def compressor_for(run_dir: Path, config) -> Compressor:
+    """The compressor of a run (runner.input.config.RunConfig); TokenizerError or a pydantic
+    ValidationError for an option that cannot work, raised before the run starts."""
+    given = {name: getattr(config, name) for name in SUMMARISER_FIELDS if getattr(config, name) is not None}
     options = CompressOptions(
         input=str(run_dir / "trajectories.jsonl"), output=str(run_dir / COMPRESSED_NAME),
-        target_max_tokens=config.compress_to_tokens, tokenizer=config.tokenizer,
-        base_url=config.base_url or "http://127.0.0.1/offline", summary_model=config.summary_model or config.model,
-        api_key=config.api_key, max_concurrent_requests=config.max_concurrent_requests,
-        per_trajectory_timeout=config.per_trajectory_timeout, protect_last_n_turns=config.protect_last_n_turns,
-        summary_target_tokens=config.summary_target_tokens, resume=True,
+        target_max_tokens=config.compress_to_tokens, base_url=config.base_url or "http://127.0.0.1/offline",
+        summary_model=config.summary_model or config.model, api_key=config.api_key, resume=True, **given,
     )
     offline = None
-    if mock:
+    if config.model == "mock":  # the offline model summarises in-process
         from agent.mock_model import MockModelClient
 
         offline = MockModelClient()
-    compressor = Compressor(options, load_counter(options.tokenizer), run_dir / METRICS_NAME,
-                            offline_client=offline, prices=config.prices)
-    source = run_dir / "trajectories.jsonl"
-    return compress_files(compressor, [(source, run_dir / COMPRESSED_NAME)])
+    return Compressor(options, load_counter(options.tokenizer), run_dir / METRICS_NAME, offline_client=offline,
+                      prices=config.request_prices)
+
+
+def compress_run(compressor: Compressor) -> Outcome:
+    """Compress <run_dir>/trajectories.jsonl into trajectories_compressed.jsonl (resumable)."""
+    options = compressor.options
+    return compress_files(compressor, [(Path(options.input), Path(options.output))])

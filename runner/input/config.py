@@ -108,6 +108,26 @@ class RunConfig(BaseModel):
     export: list[str] = flag(  # written at the end (runner/output/export.py); alone with --run_name: see main()
         default_factory=list, kind=str, shown="",
         help="Comma list of messages, dpo: training-ready files in <run>/export/ (with a run, or alone with --run_name).")
+    # --compress_to_tokens: trajectory_compressor.py at the end of the run, with the run's endpoint and key
+    # (runner/compress/after_run.py). The summariser's options left out (None) take the compressor's
+    # defaults, defined once in runner/compress/options.py.
+    compress_to_tokens: StrictInt | None = flag(
+        None, ge=1, shown="off",
+        help="At the end, compress trajectories.jsonl to this many tokens a row: trajectories_compressed.jsonl "
+             "beside it (docs/compressor.md).")
+    tokenizer: str | None = flag(
+        None, shown="estimate", help="With --compress_to_tokens: a tokenizer.json directory, a hub name, or estimate.")
+    summary_model: str | None = flag(
+        None, shown="the run's model", help="With --compress_to_tokens: the summariser (on the run's endpoint).")
+    summary_target_tokens: StrictInt | None = flag(
+        None, ge=1, shown="as trajectory_compressor.py", help="With --compress_to_tokens: the size of a summary.")
+    protect_last_n_turns: StrictInt | None = flag(
+        None, ge=0, shown="as trajectory_compressor.py", help="With --compress_to_tokens: turns kept at the end.")
+    max_concurrent_requests: StrictInt | None = flag(
+        None, ge=1, shown="as trajectory_compressor.py", help="With --compress_to_tokens: summary requests in flight.")
+    per_trajectory_timeout: StrictFloat | None = flag(
+        None, gt=0, shown="as trajectory_compressor.py",
+        help="With --compress_to_tokens: seconds a row's summary may take, retries included.")
     keep_no_reasoning: bool = flag(
         False, help="Keep rows whose model never reasoned.", details="The original always discarded them.")
     skip_invalid: bool = flag(False, help="Run the valid rows of a dataset that has invalid lines.")

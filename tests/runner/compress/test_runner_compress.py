@@ -1,0 +1,61 @@
+"""--compress_to_tokens: the runner compresses its trajectories at the end of a run, through the
+real CLI against the scripted server (which is also the summariser: the run's endpoint)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import SECRET_KEY, read_jsonl, run_cli, write_jsonl
+
+PROMPT = ("@tool terminal {\"command\": \"echo first-%d\"}\n@tool terminal {\"command\": \"seq 1 60\"}\n"
+          "@tool terminal {\"command\": \"seq 100 160\"}\n@tool terminal {\"command\": \"echo last\"}\nRun them all.")
+
+
+def run(tmp_path, remote_args, *extra):
+    args = ["--dataset_file=d.jsonl", "--run_name=r", "--batch_size=2", "--distribution=terminal_only", *remote_args,
+            "--compress_to_tokens=300", "--summary_target_tokens=30", "--protect_last_n_turns=2", *extra]
+    return run_cli(args, tmp_path)
+
+
+def summary_requests(server) -> list:
+    return [r for r in server.requests if r.path.endswith("/chat/completions") and not r.body.get("tools")]
+
+
+def test_a_run_writes_its_compressed_trajectories_beside_the_uncompressed_ones(tmp_path, model_server, remote_args):
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT % i} for i in range(3)])
+    result = run(tmp_path, remote_args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "data" / "r"
+    trajectories = read_jsonl(run_dir / "trajectories.jsonl")
+    compressed = read_jsonl(run_dir / "trajectories_compressed.jsonl")
+    assert all("compression_metrics" not in row for row in trajectories)  # left as they are
+    assert [r["metadata"]["row_key"] for r in compressed] == [r["metadata"]["row_key"] for r in trajectories]
+    statuses = [r["compression_metrics"]["status"] for r in compressed]
+    assert statuses.count("compressed") == 3, statuses
+    for before, after in zip(trajectories, compressed):
+        assert after["conversations"][-2:] == before["conversations"][-2:]
+        assert any(t["value"].startswith("[CONTEXT SUMMARY]: ") for t in after["conversations"])
+        assert {k: v for k, v in after.items() if k not in ("conversations", "compression_metrics")} == \
+               {k: v for k, v in before.items() if k != "conversations"}
+    metrics = json.loads((run_dir / "trajectories_compressed.metrics.json").read_text())
+    asked = summary_requests(model_server)
+    assert metrics["summariser"]["requests"] == len(asked) == 3
+    assert all(r.body["model"] == "test-model" and r.headers["authorization"] == f"Bearer {SECRET_KEY}" for r in asked)
+    assert "Compressed 3 rows" in result.stdout
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert SECRET_KEY.encode() not in path.read_bytes(), path
+
+    # resumed with more rows: only the new row's summary is asked for
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT % i} for i in range(4)])
+    again = run(tmp_path, remote_args, "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert len(summary_requests(model_server)) == 4
+    assert len(read_jsonl(run_dir / "trajectories_compressed.jsonl")) == 4
+
+
+def test_a_bad_compression_option_stops_the_run_before_any_request(tmp_path, model_server, remote_args):
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT % 0}])
+    result = run(tmp_path, remote_args, "--tokenizer=no_such_dir/")
+    assert result.returncode == 1 and "--tokenizer=no_such_dir/: no tokenizer.json there" in result.stderr
+    assert model_server.requests == []
