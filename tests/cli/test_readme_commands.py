@@ -1,4 +1,5 @@
-"""The README's two set-up commands, as a new user runs them: from a fresh clone, in a fresh venv."""
+"""The shell commands of README.md and docs/*.md, as a user runs them: the two set-up commands from a fresh
+clone, every other command run here or by a test of its page, or named as not runnable here with the reason."""
 
 from __future__ import annotations
 
@@ -156,3 +157,117 @@ def test_python_api_page_example_runs(tmp_path):
         assert "/etc/hostname" not in json.dumps(turns)  # the prefill is neither saved nor taken as the prompt
     commands = {row["metadata"]["id"]: json.dumps(row["conversations"][2:]) for row in rows}
     assert "plan.md" in commands["ex-02"] and "i <= 100" in commands["ex-03"]  # each row's own tool calls
+
+
+# --- every shell command of README.md and docs/*.md: run here, run by another test, or not runnable ---
+
+DOC_PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
+
+# Pages and commands another test of this file runs as written.
+RUN_BY_ANOTHER_TEST = {
+    ("README.md", "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python batch_runner.py "
+                  "--dataset_file=data/example_prompts.jsonl --batch_size=5 --run_name=demo --model=mock"):
+        "test_demo_command_works_from_a_fresh_clone",
+    ("README.md", "bash .ci/run"): "CI runs it; test_ci_runs_the_readme_test_command_in_a_virtual_environment checks it",
+    ("docs/compressor.md", None): "test_the_compressor_page_commands_work",
+    ("docs/samples-and-scoring.md", None): "test_scoring_page_commands_work",
+}
+
+# Commands that cannot run in a test on this machine, and why.
+NOT_RUNNABLE = {
+    "export OPENROUTER_API_KEY=...": "needs a real OpenRouter key (the command after it runs against the scripted server)",
+    "python -m llama_cpp.server --model SmolLM2-135M-Instruct.Q4_1.gguf --model_alias smollm2 "
+    "--chat_format chatml-function-calling --n_ctx 8192 --host 127.0.0.1 --port 8080":
+        "needs the compiled llama.cpp server and the model file (bash .ci/install-real-model); "
+        "tests/agent/test_real_model.py starts the same server",
+    "python bench/bench_throughput.py --all --repeat 3": "a benchmark (minutes of full load), run by hand",
+    "python bench/bench_throughput.py --startup": "a benchmark, run by hand",
+    "python bench/bench_dataset.py": "a benchmark (1,000,000 rows), run by hand",
+    "python bench/bench_resume.py": "a benchmark (100,000 rows), run by hand",
+    "python bench/bench_report.py": "a benchmark (100,000 rows), run by hand",
+    "python bench/bench_budget.py": "a benchmark (20,000 prompts), run by hand",
+    "pip install '.[ray]'": "installs from the package index",
+    "ray start --head --port=6379": "starts a Ray cluster across machines; tests/runner/execution/test_ray_executor.py "
+                                    "runs a local two-node cluster instead",
+    "ray start --address=<head-ip>:6379": "joins a Ray cluster on another machine",
+    "ray status": "needs the cluster of the commands before it",
+    "python batch_runner.py --dataset_file=prompts.jsonl --batch_size=100 --run_name=big --executor=ray "
+    "--ray_address=auto --sessions_per_node=32": "needs the Ray cluster started with `ray start`",
+}
+
+LOCAL_ENDPOINT = re.compile(r"--base_url=http://(?:localhost|127\.0\.0\.1):\d+/v1")
+
+
+def _doc_blocks() -> list[tuple[str, int, list[str]]]:
+    """(page, block number, commands) of every ```bash block: continuation lines joined, spaces
+    collapsed, comments left out."""
+    blocks = []
+    for page in DOC_PAGES:
+        text = (REPO / page).read_text(encoding="utf-8")
+        for number, block in enumerate(re.findall(r"```bash\n(.*?)```", text, re.S)):
+            commands = []
+            for line in block.replace("\\\n", " ").splitlines():
+                line = " ".join(re.sub(r"\s#\s.*$", "", line).split())
+                if line and not line.startswith("#"):
+                    commands.append(line)
+            blocks.append((page, number, commands))
+    return blocks
+
+
+def _run_by_another_test(page: str, command: str) -> bool:
+    return (page, None) in RUN_BY_ANOTHER_TEST or (page, command) in RUN_BY_ANOTHER_TEST
+
+
+def _runs_here(page: str, command: str) -> bool:
+    return not _run_by_another_test(page, command) and command not in NOT_RUNNABLE
+
+
+def test_every_documented_command_is_run_or_named_as_not_runnable():
+    found = [(page, command) for page, _, commands in _doc_blocks() for command in commands]
+    for page, command in found:
+        if _runs_here(page, command):
+            assert command.startswith("python batch_runner.py "), (
+                f"{page}: `{command}` is neither run by a test nor listed in NOT_RUNNABLE with the reason")
+    # no stale entry: each names a command the pages still have
+    for command in NOT_RUNNABLE:
+        assert any(c == command for _, c in found), f"NOT_RUNNABLE names a command no page has: {command}"
+    for page, command in RUN_BY_ANOTHER_TEST:
+        assert any(p == page and command in (None, c) for p, c in found), (page, command)
+
+
+def _runnable_blocks():
+    for page, number, commands in _doc_blocks():
+        here = [c for c in commands if _runs_here(page, c)]
+        if here:
+            yield pytest.param(page, here, id=f"{page}[{number}]")
+
+
+@pytest.mark.parametrize("page, commands", list(_runnable_blocks()))
+def test_documented_commands_run(tmp_path, page, commands):
+    """Each block's commands in order, in a fresh folder holding the example prompts (also as
+    prompts.jsonl), with the scripted server standing in for the model server they name (a local
+    one, or OpenRouter when they name none)."""
+    import shlex
+
+    from tests.conftest import run_cli
+    from tests.helpers.model_server import ModelServer
+
+    (tmp_path / "data").mkdir()
+    shutil.copy(REPO / "data" / "example_prompts.jsonl", tmp_path / "data")
+    shutil.copy(REPO / "data" / "example_prompts.jsonl", tmp_path / "prompts.jsonl")
+    with ModelServer() as server:
+        for command in commands:
+            argv = shlex.split(LOCAL_ENDPOINT.sub(f"--base_url={server.base_url}", command))[2:]
+            remote = not any(a.startswith(("--model=mock", "--base_url=", "--report", "--list_distributions")) for a in argv)
+            if remote:  # the default endpoint, OpenRouter
+                argv.append(f"--base_url={server.base_url}")
+            proc = run_cli(argv, tmp_path, env={"OPENROUTER_API_KEY": "sk-test-documented"})
+            assert proc.returncode == 0, f"{page}: {command}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+            run_name = next((a.split("=", 1)[1] for a in argv if a.startswith("--run_name=")), None)
+            if "--list_distributions" in argv:
+                assert "terminal_only" in proc.stdout
+            elif run_name:
+                assert (tmp_path / "data" / run_name / "report.html").exists() and (
+                    tmp_path / "data" / run_name / "statistics.json").exists()
+                if any(a.startswith("--base_url=") for a in argv):
+                    assert server.count() > 0  # the scripted server answered, no other
