@@ -163,13 +163,13 @@ def test_python_api_page_example_runs(tmp_path):
 
 DOC_PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
 
-# Pages and commands another test of this file runs as written.
+# Commands (or a page's Nth block, or a whole page: None) another test of this file runs as written.
 RUN_BY_ANOTHER_TEST = {
     ("README.md", "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python batch_runner.py "
                   "--dataset_file=data/example_prompts.jsonl --batch_size=5 --run_name=demo --model=mock"):
         "test_demo_command_works_from_a_fresh_clone",
     ("README.md", "bash .ci/run"): "CI runs it; test_ci_runs_the_readme_test_command_in_a_virtual_environment checks it",
-    ("docs/compressor.md", None): "test_the_compressor_page_commands_work",
+    ("docs/compressor.md", 0): "test_the_compressor_page_commands_work",  # its first block only
     ("docs/samples-and-scoring.md", None): "test_scoring_page_commands_work",
 }
 
@@ -214,30 +214,30 @@ def _doc_blocks() -> list[tuple[str, int, list[str]]]:
     return blocks
 
 
-def _run_by_another_test(page: str, command: str) -> bool:
-    return (page, None) in RUN_BY_ANOTHER_TEST or (page, command) in RUN_BY_ANOTHER_TEST
+def _run_by_another_test(page: str, block: int, command: str) -> bool:
+    return any((page, key) in RUN_BY_ANOTHER_TEST for key in (None, block, command))
 
 
-def _runs_here(page: str, command: str) -> bool:
-    return not _run_by_another_test(page, command) and command not in NOT_RUNNABLE
+def _runs_here(page: str, block: int, command: str) -> bool:
+    return not _run_by_another_test(page, block, command) and command not in NOT_RUNNABLE
 
 
 def test_every_documented_command_is_run_or_named_as_not_runnable():
-    found = [(page, command) for page, _, commands in _doc_blocks() for command in commands]
-    for page, command in found:
-        if _runs_here(page, command):
+    found = [(page, block, command) for page, block, commands in _doc_blocks() for command in commands]
+    for page, block, command in found:
+        if _runs_here(page, block, command):
             assert command.startswith("python batch_runner.py "), (
                 f"{page}: `{command}` is neither run by a test nor listed in NOT_RUNNABLE with the reason")
     # no stale entry: each names a command the pages still have
     for command in NOT_RUNNABLE:
-        assert any(c == command for _, c in found), f"NOT_RUNNABLE names a command no page has: {command}"
-    for page, command in RUN_BY_ANOTHER_TEST:
-        assert any(p == page and command in (None, c) for p, c in found), (page, command)
+        assert any(c == command for _, _, c in found), f"NOT_RUNNABLE names a command no page has: {command}"
+    for page, key in RUN_BY_ANOTHER_TEST:
+        assert any(p == page and key in (None, b, c) for p, b, c in found), (page, key)
 
 
 def _runnable_blocks():
     for page, number, commands in _doc_blocks():
-        here = [c for c in commands if _runs_here(page, c)]
+        here = [c for c in commands if _runs_here(page, number, c)]
         if here:
             yield pytest.param(page, here, id=f"{page}[{number}]")
 
