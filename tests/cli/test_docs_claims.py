@@ -64,3 +64,13 @@ def test_an_unknown_cost_is_recorded_as_the_cost_page_says(tmp_path, model_serve
     assert "`cost: null`" in claim and '"cost unknown"' in claim
     outputs = (REPO / "docs" / "outputs.md").read_text(encoding="utf-8")
     assert "`usage.cost` is always a number" in outputs and "`metadata.usage.cost` is `null`" not in page + outputs
+
+
+def test_the_exit_codes_named_are_the_runners():
+    import batch_runner
+
+    codes = {value for name, value in vars(batch_runner).items() if name.startswith("EXIT_") and isinstance(value, int)}
+    readme = (REPO / "README.md").read_text(encoding="utf-8").split("Exit codes:", 1)[1].split("\n\n", 1)[0]
+    page = (REPO / "docs" / "guarantees.md").read_text(encoding="utf-8").split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    for text in (readme, page):
+        assert {int(code) for code in re.findall(r"`(\d+)` ", text)} == codes, text
