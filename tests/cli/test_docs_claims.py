@@ -73,4 +73,4 @@ def test_the_exit_codes_named_are_the_runners():
     readme = (REPO / "README.md").read_text(encoding="utf-8").split("Exit codes:", 1)[1].split("\n\n", 1)[0]
     page = (REPO / "docs" / "guarantees.md").read_text(encoding="utf-8").split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     for text in (readme, page):
-        assert {int(code) for code in re.findall(r"`(\d+)` ", text)} == codes, text
+        assert {int(code) for code in re.findall(r"`(\d+)`\s", text)} == codes, text
