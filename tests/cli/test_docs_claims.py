@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 from tests.conftest import REPO, read_jsonl, run_cli, write_jsonl
 
@@ -74,3 +75,28 @@ def test_the_exit_codes_named_are_the_runners():
     page = (REPO / "docs" / "guarantees.md").read_text(encoding="utf-8").split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     for text in (readme, page):
         assert {int(code) for code in re.findall(r"`(\d+)`\s", text)} == codes, text
+
+
+def test_the_ok_row_example_of_the_outputs_page_has_the_fields_of_a_real_row(tmp_path):
+    """Every field the example shows is in a real row, where the example puts it (new fields may be
+    missing from the example; a renamed or removed one may not stay in it)."""
+    page = (REPO / "docs" / "outputs.md").read_text(encoding="utf-8")
+    example = json.loads(re.findall(r"```json\n(.*?)```", page, re.S)[0])
+    proc = run_cli(["--dataset_file=data/example_prompts.jsonl", "--batch_size=20", "--run_name=r", "--model=mock",
+                    "--distribution=terminal_only", "--max_samples=1"], _with_prompts(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")[0]
+    assert list(example) == [key for key in row if key in example]  # same order, none missing
+    meta, usage = row["metadata"], row["metadata"]["usage"]
+    assert set(example["metadata"]) <= set(meta)
+    assert set(example["metadata"]["usage"]) <= set(usage)
+    assert set(example["metadata"]["usage"]["by_model"][0]) <= set(usage["by_model"][0])
+    assert set(example["reasoning_stats"]) == set(row["reasoning_stats"])
+    assert example["metadata"]["schema_version"] == meta["schema_version"]
+    assert [turn["from"] for turn in row["conversations"][:2]] == [t["from"] for t in example["conversations"][:2]]
+
+
+def _with_prompts(tmp_path):
+    (tmp_path / "data").mkdir()
+    shutil.copy(REPO / "data" / "example_prompts.jsonl", tmp_path / "data")
+    return tmp_path
