@@ -6,7 +6,10 @@ on resume) instead of vanishing. Results return in completion order; scheduling 
 slow prompt holds one slot, never a batch.
 
 Each worker has its own pipe to the parent, used for nothing else: tasks go down it, records and
-log lines come back. A shared queue would let a worker killed halfway through a large message
+log lines come back, and so does each row's usage as every request is sent and ends, so the parent
+knows the spend per request (the watcher: the live status and the budget, which under --max_cost
+answers the worker's ask before each request). A row given up in flight is committed with the usage
+its worker last reported, so every request sent is counted. A shared queue would let a worker killed halfway through a large message
 leave the reader waiting forever for the rest; on a pipe of its own, a dead worker's half-sent
 message ends in end-of-file, which reads as that worker's death. The same pipe tells the worker
 that the parent died: its end reads end-of-file too, whatever killed the parent.
