@@ -178,8 +178,9 @@ NOT_RUNNABLE = {
     "export OPENROUTER_API_KEY=...": "needs a real OpenRouter key (the command after it runs against the scripted server)",
     "python -m llama_cpp.server --model SmolLM2-135M-Instruct.Q4_1.gguf --model_alias smollm2 "
     "--chat_format chatml-function-calling --n_ctx 8192 --host 127.0.0.1 --port 8080":
-        "needs the compiled llama.cpp server and the model file (bash .ci/install-real-model); "
-        "tests/agent/test_real_model.py starts the same server",
+        "needs the compiled llama.cpp server and the model file (bash .ci/install-real-model), and the run "
+        "after it would take minutes on the real model; tests/agent/test_real_model.py starts the same server "
+        "(tests/helpers/real_model.py) for a short run, and the run command here runs against the scripted server",
     "python bench/bench_throughput.py --all --repeat 3": "a benchmark (minutes of full load), run by hand",
     "python bench/bench_throughput.py --startup": "a benchmark, run by hand",
     "python bench/bench_dataset.py": "a benchmark (1,000,000 rows), run by hand",
