@@ -100,3 +100,17 @@ def _with_prompts(tmp_path):
     (tmp_path / "data").mkdir()
     shutil.copy(REPO / "data" / "example_prompts.jsonl", tmp_path / "data")
     return tmp_path
+
+
+def test_the_python_api_page_names_the_original_keywords_and_their_defaults():
+    from runner.input import original_api
+
+    page = (REPO / "docs" / "python-api.md").read_text(encoding="utf-8")
+    listed = " ".join(page.split("The keywords are the original's:", 1)[1].split("Every other flag", 1)[0].split())
+    for name, default in original_api.ORIGINAL_DEFAULTS.items():
+        if name == "openrouter_min_coding_score":  # named as unsupported, after the list
+            assert f"`{name}` is not supported" in page
+            continue
+        assert f"`{name}`" in listed, name
+        if isinstance(default, (int, str)) and not isinstance(default, bool) and default != "":
+            assert f"`{name}` (`{default}`" in listed or f"`{name}` ({default})" in listed, (name, default)
