@@ -85,7 +85,8 @@ def main(**flags: Any):
         raise SystemExit(EXIT_OK)
     try:
         if commands["report"]:
-            raise SystemExit(_report_only(flags.get("output_dir"), flags.get("run_name"), flags.get("report_samples")))
+            raise SystemExit(_report_only(flags.get("output_dir"), flags.get("run_name"), flags.get("report_samples"),
+                                          keep_no_reasoning=flags.get("keep_no_reasoning"), keep=flags.get("keep")))
         if commands["rescore"]:
             rescore_flags = ("output_dir", "report_samples", "api_key", "scorer", "pass_threshold", "verify_command",
                              "verify_timeout", "judge_model", "judge_base_url", "judge_rubric")
@@ -119,14 +120,16 @@ def main(**flags: Any):
 main.__signature__ = main_signature()  # what fire binds and --help lists: the declared flags
 
 
-def _report_only(output_dir: Any, run_name: Any, report_samples: Any) -> int:
+def _report_only(output_dir: Any, run_name: Any, report_samples: Any, **selection: Any) -> int:
     """`--report --run_name=NAME`: the end-of-run outputs rebuilt from the run's files (report.html,
-    statistics.json, trajectories.jsonl, so they always agree), under the run lock; nothing run."""
+    statistics.json, trajectories.jsonl, so they always agree), under the run lock; nothing run.
+    `selection` (--keep_no_reasoning, --keep) given here replaces the run's for this rebuild."""
     from runner.input.config import ReportOptions
     from runner.output.finalize import RebuildError, rebuild_outputs
     from runner.storage.lock import RunLock, RunLockBusy
 
-    options = _validated(ReportOptions, output_dir=output_dir, run_name=run_name or "", report_samples=report_samples)
+    options = _validated(ReportOptions, output_dir=output_dir, run_name=run_name or "", report_samples=report_samples,
+                         **selection)
     run_dir = Path(options.output_dir) / options.run_name
     from runner.storage.runfiles import has_config
 
@@ -138,7 +141,8 @@ def _report_only(output_dir: Any, run_name: Any, report_samples: Any) -> int:
     except RunLockBusy as err:  # a live run rewrites these files itself when it ends
         raise UsageError(str(err)) from None
     try:
-        path = rebuild_outputs(run_dir, max_full_conversations=options.report_samples)
+        path = rebuild_outputs(run_dir, max_full_conversations=options.report_samples,
+                               selection=options.model_dump(include={"keep_no_reasoning", "keep"}, exclude_none=True))
     except RebuildError as err:
         raise UsageError(str(err)) from None
     finally:
@@ -481,6 +485,9 @@ class BatchRunner:
         self._monitor = None  # runner.output.status.RunMonitor of this invocation
         self._failed_images: dict[str, str] = {}  # image -> why it cannot be used (the backend's check)
         self._streaks: dict[str, int] = {}  # failure class -> rows in a row that failed with it
+        self._passed: dict[str, int] = {}  # row key -> its committed samples that passed
+        self._first_finished: list[str] | None = []  # outcomes of the first rows to finish (None: decided)
+        self._to_run = 0
         self.started_at = datetime.now().isoformat()
 
     # --- logging that does not tear the progress bar --------------------------------------
@@ -501,6 +508,7 @@ class BatchRunner:
         from runner.input.dataset import DatasetError, scan_dataset
         from runner.storage.lock import RunLock, RunLockBusy
         from runner.input.secrets import environment_without_keys, register_config
+        from runner.storage.runview import Selection
         from runner.storage.store import STORAGE_ERRNOS, RunStore
         from tools.registry import tool_schema_version, unavailable_tools
 
@@ -543,7 +551,7 @@ class BatchRunner:
 
                 clean_run_leftovers(self.run_dir, self.log)  # what a killed invocation left behind
                 self._prepare_run_dir()
-                store = RunStore(self.run_dir, config.run_name, config.batch_size)
+                store = RunStore(self.run_dir, config.run_name, config.batch_size, Selection.of(config))
                 return self._run_locked(scan, store, executor, unavailable)
             except OSError as err:  # a write of the merge, statistics, config...: name the path
                 if err.errno in STORAGE_ERRNOS:
@@ -680,6 +688,13 @@ class BatchRunner:
             )
         if changed:
             print(f"⚠️  Configuration changed ({', '.join(changed)}); continuing because of --allow_config_change")
+        recorded_samples = recorded.setting("samples_per_prompt")
+        wanted = self.config.samples_per_prompt
+        if isinstance(recorded_samples, int) and wanted < recorded_samples:  # the extra samples are paid for
+            raise UsageError(
+                f"--samples_per_prompt={wanted} is lower than the {recorded_samples} samples per prompt of the run "
+                f"in {self.run_dir} (their samples are already paid for); resume with "
+                f"--samples_per_prompt={recorded_samples} or more")
 
     def _write_config(self) -> None:
         from datetime import datetime
@@ -703,6 +718,7 @@ class BatchRunner:
     def _run_locked(self, scan, store, executor, unavailable: dict[str, str]) -> int:
         from runner.output.finalize import build_statistics, merge_run, print_summary, record_invocation_end, run_time, write_statistics
         from runner.output.report import report_details
+        from runner.storage.runview import Selection
 
         config = self.config
         if self.resume:
@@ -710,14 +726,18 @@ class BatchRunner:
         self._write_config()
         store.repair_torn_tails(self.log)
         store.load(self.log)
+        self._passed = store.view.passed_by_row()  # --stop_after_passing holds across resume
 
         self._warn_unavailable(unavailable)
-        done = sum(1 for key in scan.key_to_index if store.is_committed(key))
-        remaining = scan.rows - done
+        units = self._units(scan)[0]
+        done = sum(1 for key in units if store.is_committed(key))
+        remaining = len(units) - done
         if self.resume or done:
-            print(f"📂 Resuming: {done:,} of {scan.rows:,} rows already committed; {remaining:,} to run")
+            what = "rows" if config.samples_per_prompt == 1 else "samples"
+            print(f"📂 Resuming: {done:,} of {len(units):,} {what} already committed; {remaining:,} to run")
 
         rows_this_run = 0
+        self._to_run = remaining
         self._monitor = self._make_monitor(scan, store, done, remaining)
         executor.watch(self._monitor)  # each request's usage as it completes; the budget admits requests
         if remaining and not self.stopping:
@@ -731,12 +751,13 @@ class BatchRunner:
         print("\n📦 Combining all batch files into trajectories.jsonl...")
         scan = self._final_dataset(scan)
         details = report_details()
-        view = merge_run(self.run_dir, scan.key_to_index, self.log, ids=scan.ids, detail=details)
+        units, unit_ids = self._units(scan)
+        view = merge_run(self.run_dir, units, self.log, ids=unit_ids, detail=details, selection=Selection.of(config))
         stats = write_statistics(self.run_dir, build_statistics(
             view, run_name=config.run_name, distribution=config.distribution, total_prompts=scan.rows,
             batch_size=config.batch_size, model=config.model, rows_this_run=rows_this_run,
             run_time=run_time(record_invocation_end(self.run_dir, config.tools.run_id), view, config.tools.run_id),
-            fingerprint=config.fingerprint(),
+            fingerprint=config.fingerprint(), samples_per_prompt=config.samples_per_prompt,
         ))
         print_summary(stats, self.run_dir, headline=self._headline())
         self._write_exports(view)
@@ -823,9 +844,10 @@ class BatchRunner:
         # the scope decides what the budget counts; only a budget counts unknown costs at the mean
         spend = LiveSpend(scope=config.max_cost_scope, estimate_unknown=config.max_cost is not None,
                           before=store.spent())  # what earlier invocations committed, kept by the run view
-        kept = sum(1 for key in scan.key_to_index if store.outcome(key) == "ok")
+        units = self._units(scan)[0]
+        kept = sum(1 for key in units if store.outcome(key) == "ok")
         budget = Budget(config.max_cost, config.max_cost_hard, spend) if config.max_cost is not None else None
-        return RunMonitor(self.run_dir, config.run_name, total_rows=scan.rows, finished_before=done, kept_before=kept,
+        return RunMonitor(self.run_dir, config.run_name, total_rows=len(units), finished_before=done, kept_before=kept,
                           to_run=remaining, spend=spend, budget=budget, budget_limit=config.max_cost, log=self.log)
 
     def _final_dataset(self, scan):
@@ -896,22 +918,42 @@ class BatchRunner:
             print(f"⚠️  No toolset of --distribution={self.config.distribution} can offer a tool in this run: "
                   "every row runs without tools (toolsets_used and metadata.tools_offered are empty)")
 
+    def _units(self, scan) -> tuple[dict[str, int], dict[str, str]]:
+        """The units of work of the dataset: every sample key -> its row's index, and their ids."""
+        from runner.input.samples import sample_ids, sample_units
+
+        samples = self.config.samples_per_prompt
+        if samples == 1:
+            return scan.key_to_index, scan.ids
+        return sample_units(scan.key_to_index, samples), sample_ids(scan.ids, samples)
+
     def _tasks(self, store, scan):
-        """The rows still to run, each as the task of its next attempt. A dataset rewritten under
-        the run ends them (with a message): reading on could start a row a second time."""
+        """The samples still to run, each as the task of its next attempt. Samples run in rounds
+        (every row's sample 0, then every row's sample 1, ...), so the samples of a row that
+        --stop_after_passing spares are the ones not started yet when its row has passed enough.
+        A dataset rewritten under the run ends them (with a message): reading on could start a
+        row a second time."""
         from runner.input.dataset import DatasetChanged, iter_rows
+        from runner.input.samples import sample_key
         from runner.execution.task import Task
 
         config = self.config
-        rows = iter_rows(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
-                         cwd_error=self._cwd_rule(), row_error=self._row_rule(), scanned=scan.key_to_index)
         try:
-            for row in rows:
-                if not store.is_committed(row.key):
-                    yield Task.of(row, attempt=store.failures(row.key) + 1, run_id=config.tools.run_id, seed=config.seed)
+            for sample in range(config.samples_per_prompt):
+                for row in iter_rows(config.dataset_file, config.max_samples, require_image=self._rows_need_image(),
+                                     cwd_error=self._cwd_rule(), row_error=self._row_rule(), scanned=scan.key_to_index):
+                    key = sample_key(row.key, sample)
+                    if not store.is_committed(key) and not self._row_has_passed_enough(row.key):
+                        yield Task.of(row, attempt=store.failures(key) + 1, run_id=config.tools.run_id, seed=config.seed,
+                                      sample=sample, samples=config.samples_per_prompt)
         except DatasetChanged as err:
             self.log(f"⚠️  {err}: no more rows are read from it. The rows in flight finish; "
                      "run again with --resume for the rest.")
+
+    def _row_has_passed_enough(self, row_key: str) -> bool:
+        """--stop_after_passing: this row has that many passing samples committed."""
+        wanted = self.config.stop_after_passing
+        return wanted is not None and self._passed.get(row_key, 0) >= wanted
 
     def _cwd_rule(self):
         """The backend's rule for a row's cwd (Backend.cwd_error): a row it refuses is an invalid line."""
@@ -1060,13 +1102,23 @@ class BatchRunner:
         return None
 
     def _after_commit(self, records: list[dict], counts: dict) -> None:
+        from runner.input.samples import row_key_of
         from runner.storage.records import fields_of
+        from runner.storage.runview import Selection, quality_outcome
+        from runner.storage.scores import primary_score
         from runner.storage.store import record_outcome
 
+        selection = Selection.of(self.config)
         for record in records:
-            outcome = record_outcome(record)
+            fields = fields_of(record)
+            outcome = quality_outcome(record, record_outcome(record), selection)
             counts[outcome] += 1
-            counts["retries"] += fields_of(record).usage.retries
+            counts["retries"] += fields.usage.retries
+            self._warn_if_all_discarded(outcome)
+            primary = primary_score(fields.meta.scores) if outcome != "failed" else None
+            if primary is not None and primary.passed:
+                row = row_key_of(fields.key)
+                self._passed[row] = self._passed.get(row, 0) + 1
             index = record["prompt_index"]
             repeated = self._repeated_failure(record.get("error_class") if outcome == "failed" else None,
                                               record.get("error") or "")
@@ -1085,6 +1137,26 @@ class BatchRunner:
                 self.log(f"   {'✅' if outcome == 'ok' else '🚫'} Prompt {index} {outcome}: {self._preview(record)}")
         self._bar.set_postfix(counts, refresh=False)
         self._bar.update(len(records))
+
+    FIRST_ROWS = 3  # finished rows that, all discarded by the no-reasoning filter, warrant a warning
+
+    def _warn_if_all_discarded(self, outcome: str) -> None:
+        """Say it early: when the first rows that finish are all discarded for no reasoning (a
+        model that gives none), every row will be; name the flag that keeps them."""
+        if self._first_finished is None:
+            return
+        if outcome == "failed":
+            self._to_run -= 1  # a failed row tells nothing about the filter
+            return
+        self._first_finished.append(outcome)
+        if outcome == "ok":
+            self._first_finished = None  # a row was kept: the filter is not discarding everything
+        elif len(self._first_finished) >= min(self.FIRST_ROWS, self._to_run):
+            finished = len(self._first_finished)
+            self._first_finished = None
+            self.log(f"⚠️  The first {plural(finished, 'row')} to finish were all discarded for no reasoning "
+                     "(this model gives none?): pass --keep_no_reasoning to keep them (--resume "
+                     "--keep_no_reasoning keeps the rows already made, with no new request)")
 
     def _preview(self, record: dict) -> str:
         """The row's prompt, cut at --log_prefix_chars."""

@@ -30,7 +30,7 @@ from agent.usage import Usage
 from runner.execution.group_signals import CANCEL_SIGNAL, shield
 from runner.input.config import RunConfig
 from tools.environments.base import SandboxError, become_subreaper, kill_orphans
-from runner.storage.records import DiscardedRecord, FailedRecord, Metadata, OkRecord, UsageRecord, as_dict, dropped_lines, note_lines
+from runner.storage.records import FailedRecord, Metadata, OkRecord, UsageRecord, as_dict, dropped_lines, note_lines
 from runner.execution.task import Task
 from runner.scoring.sample import Sample
 from runner.scoring.scorers import ScoringContext, resolve, run_scorers
@@ -126,6 +126,9 @@ def _metadata(task: Task, config: RunConfig, started: float | None, session: Ses
         attempt=task.attempt,
         duration_seconds=round(time.monotonic() - started, 3) if started is not None else 0.0,
         seed=task.seed,
+        sample=task.sample,
+        samples=task.samples,
+        sample_seed=task.sample_seed,
         **{"usage": UsageRecord.of(stats) if stats else UsageRecord(), **extra},
     )
 
@@ -216,10 +219,12 @@ async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
         raw_stats = extract_tool_stats(result.messages)
         tool_stats, tool_error_counts = normalise_tool_stats(raw_stats)
         reasoning_stats = extract_reasoning_stats(result.messages)
-        discard = config.discard_without_reasoning and reasoning_stats["turns_with_reasoning"] == 0
-        conversation = [] if discard else to_sharegpt(result.messages, task.prompt, tools)
+        # Kept whole (and scored) even when the model never reasoned: the no-reasoning filter is
+        # applied when the outputs are built (runner/storage/runview.py), so a changed filter
+        # needs no new request.
+        conversation = to_sharegpt(result.messages, task.prompt, tools)
         scores = None
-        if runtime.scorers and not discard:  # before the environment is removed: a verify command sees it
+        if runtime.scorers:  # before the environment is removed: a verify command sees it
 
             def env_of():
                 nonlocal env
@@ -250,9 +255,6 @@ async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
             "tool_error_counts": tool_error_counts,
             "reasoning_stats": reasoning_stats,
         }
-        if discard:
-            return as_dict(DiscardedRecord(prompt_index=task.index, discarded="no_reasoning",
-                                           prompt=task.prompt.strip(), **common))
         return as_dict(OkRecord(
             prompt_index=task.index,
             conversations=conversation,

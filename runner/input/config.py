@@ -130,6 +130,17 @@ class RunConfig(BaseModel):
         help="With --compress_to_tokens: seconds a row's summary may take, retries included.")
     keep_no_reasoning: bool = flag(
         False, help="Keep rows whose model never reasoned.", details="The original always discarded them.")
+    # Samples of every row (runner/input/samples.py). Not fingerprinted: raising it on resume adds
+    # samples to the rows; lowering it is refused by BatchRunner (the extra samples are paid for).
+    samples_per_prompt: StrictInt = flag(
+        1, ge=1, help="Run every row N times: each sample its own unit of work (key, seed, environment, commit).",
+        details="See docs/samples-and-scoring.md. A larger N on --resume runs only the new samples; a smaller one is refused.")
+    # Which samples trajectories.jsonl holds: applied when the outputs are built, so not fingerprinted.
+    keep: Literal["all", "passing", "best"] = flag(
+        "all", help="Samples trajectories.jsonl holds: all, passing (needs --scorer) or best (one per row).",
+        details="The others stay in the batch files, counted as unselected, their spend reported apart.")
+    stop_after_passing: StrictInt | None = flag(
+        None, ge=1, shown="", help="Once K samples of a row passed, its samples not started are not run (needs --scorer).")
     skip_invalid: bool = flag(False, help="Run the valid rows of a dataset that has invalid lines.")
     allow_duplicate_ids: bool = flag(  # an `id` names one row
         False, help="Accept rows that share an 'id' (refused by default).")
@@ -212,6 +223,15 @@ class RunConfig(BaseModel):
         from runner.input.secrets import check_header_safe
 
         check_header_safe("the API key (--api_key, OPENROUTER_API_KEY or OPENAI_API_KEY)", self.api_key)
+        return self
+
+    @model_validator(mode="after")
+    def _selection_needs_a_scorer(self):
+        if not self.scorer:  # without a score no sample passes
+            if self.keep != "all":
+                raise ValueError(f"--keep={self.keep} selects samples by their score: it needs --scorer")
+            if self.stop_after_passing is not None:
+                raise ValueError("--stop_after_passing counts the samples that passed: it needs --scorer")
         return self
 
     @model_validator(mode="after")
@@ -328,6 +348,9 @@ class ReportOptions(BaseModel):
     output_dir: str = RunConfig.model_fields["output_dir"]
     run_name: RunName
     report_samples: StrictInt = RunConfig.model_fields["report_samples"]
+    # Given with --report, these replace the run's own for the rebuilt outputs.
+    keep_no_reasoning: bool | None = None
+    keep: Literal["all", "passing", "best"] | None = None
 
 
 class RescoreOptions(BaseModel):

@@ -38,9 +38,9 @@ from typing import Any, Callable
 import orjson
 
 from runner.output.statistics import dataset_of, statistics_of
-from runner.storage.records import LineFields, dropped_lines, note_lines, read_line
+from runner.storage.records import OUTCOMES, LineFields, dropped_lines, note_lines, read_line
 from runner.storage.runfiles import ConfigFile, read_config, read_statistics
-from runner.storage.runview import Detail, RowEntry, RunView, parse_time, read_run
+from runner.storage.runview import Detail, RowEntry, RunView, Selection, parse_time, read_run
 from runner.output.spend_view import read_invocations
 from runner.storage.store import batch_files, keep_mode
 
@@ -147,7 +147,7 @@ def _strings(value: Any) -> tuple[str, ...] | None:
 def _make_row(fields: LineFields, entry: RowEntry) -> _Row:
     """The report's view of a row's winning line (the run view calls this while it reads)."""
     record = fields.raw
-    outcome = fields.outcome
+    outcome = OUTCOMES[entry.rank]  # the view's: the quality filters applied
     tools = turns = reasoning = toolsets = None
     if outcome == "failed":
         code = FAILED
@@ -230,10 +230,11 @@ def read_view(run_dir: Path, dataset: dict[str, int] | None = None, ids: dict[st
     else the dataset config.json names (without either, every row in the files counts and
     "not run" is unknown). Writes nothing: the CLI's `--report` rebuilds statistics.json and
     trajectories.jsonl too (runner.output.finalize.rebuild_outputs)."""
+    config = (read_config(run_dir) or ConfigFile()).config
     if dataset is None:
-        dataset, ids = dataset_of((read_config(run_dir) or ConfigFile()).config)
+        dataset, ids = dataset_of(config)
     files = batch_files(run_dir) if run_dir.is_dir() else []
-    view = read_run(files, RunView(dataset, ids=ids, detail=_make_row, log=log))
+    view = read_run(files, RunView(dataset, ids=ids, detail=_make_row, log=log, selection=Selection.of(config)))
     return view, statistics_of(run_dir, view)
 
 
@@ -553,7 +554,7 @@ def _full_entry(fields: LineFields, row: _Row, files: list[Path], clipper: _Clip
         entry["prompt"] = clip(record.get("prompt") or "")
     elif row.code == DISCARDED:
         entry["prompt"] = clip(record.get("prompt") or "")
-        entry["discarded"] = str(record.get("discarded"))
+        entry["discarded"] = str(record.get("discarded") or "no_reasoning")  # a whole line the filter discarded
     for k in ("completed", "partial", "api_calls", "reasoning_stats"):
         if k in record:
             entry[k] = record[k]

@@ -59,13 +59,14 @@ def run_time(invocations: list[Invocation], view: RunView, current_run_id: str |
 
 
 def build_statistics(view: RunView, *, run_name: str, distribution: str, total_prompts: int, batch_size: int,
-                     model: str, run_time: dict, rows_this_run: int, fingerprint: str) -> dict:
+                     model: str, run_time: dict, rows_this_run: int, fingerprint: str,
+                     samples_per_prompt: int = 1) -> dict:
     """statistics.json: the original's keys first (tool and reasoning figures over the kept rows,
     as it counts them), then ours. Every count comes from the view; report.html embeds this dict."""
     counts = view.counts()
     spend = {name: bucket.as_dict() for name, bucket in view.spend.items()}
     total = view.total_spend().as_dict()
-    return {
+    stats = {
         "run_name": run_name,
         "distribution": distribution,
         "total_prompts": total_prompts,
@@ -99,6 +100,17 @@ def build_statistics(view: RunView, *, run_name: str, distribution: str, total_p
         "unreadable_lines": view.unreadable,
         "fingerprint": fingerprint,
     }
+    if samples_per_prompt > 1:
+        stats["samples_per_prompt"] = samples_per_prompt
+    if counts["outcomes"]["discarded"]:
+        # What the discarded rows did (the figures above are over the kept rows, as the original's)
+        stats["discarded_statistics"] = {"rows": counts["outcomes"]["discarded"],
+                                         "tool_statistics": tool_statistics(view.discarded_work.tool_stats),
+                                         "reasoning_statistics": view.discarded_work.reasoning,
+                                         "api_calls": view.discarded_work.api_calls}
+    if view.scores.samples:
+        stats["scoring"] = view.scores.as_dict(samples_per_prompt)
+    return stats
 
 
 def statistics_of(run_dir: Path, view: RunView) -> dict:
@@ -116,6 +128,7 @@ def statistics_of(run_dir: Path, view: RunView) -> dict:
         model=str(config.get("model") or saved.model or ""),
         run_time=run_time(config_file.invocations, view),
         rows_this_run=_int(saved.rows_this_run), fingerprint=config_file.fingerprint,
+        samples_per_prompt=_int(config.get("samples_per_prompt")) or 1,
     )
     if dataset is None:
         stats["total_prompts"] = None
@@ -126,6 +139,7 @@ def statistics_of(run_dir: Path, view: RunView) -> dict:
 def dataset_of(config: dict) -> tuple[dict[str, int] | None, dict[str, str]]:
     """The rows of the dataset config.json names, as it is now (None, {} when it cannot be read)."""
     from runner.input.dataset import DatasetError, scan_dataset
+    from runner.input.samples import sample_ids, sample_units
 
     name = config.get("dataset_file")
     if not isinstance(name, str) or not Path(name).is_file():
@@ -134,7 +148,10 @@ def dataset_of(config: dict) -> tuple[dict[str, int] | None, dict[str, str]]:
         scan = scan_dataset(name, config.get("max_samples"))
     except (OSError, DatasetError):
         return None, {}
-    return scan.key_to_index, scan.ids
+    samples = _int(config.get("samples_per_prompt")) or 1
+    if samples == 1:
+        return scan.key_to_index, scan.ids
+    return sample_units(scan.key_to_index, samples), sample_ids(scan.ids, samples)
 
 
 def _int(value: Any) -> int:

@@ -44,6 +44,7 @@ def rescore_run(run_dir: Path, options: Any, *, make_judge: Callable[[], Any] | 
     """Score every committed ok sample of `run_dir` with `options.scorer` into rescores.jsonl; returns
     how many were scored. The caller holds the run lock and rebuilds the outputs after."""
     from runner.input.dataset import iter_rows, scan_dataset
+    from runner.input.samples import row_key_of, sample_ids, sample_units
     from runner.input.secrets import redact_bytes
     from runner.storage.runfiles import ConfigFile, read_config
     from runner.storage.records import RESCORES_FILE, RescoreRecord, UsageRecord, read_line
@@ -62,7 +63,12 @@ def rescore_run(run_dir: Path, options: Any, *, make_judge: Callable[[], Any] | 
         line_no, reason = scan.errors[0]
         raise RescoreError(f"{dataset_file}:{line_no}: {reason} ({len(scan.errors)} row(s) in all); nothing was changed")
     rows = {row.key: row for row in iter_rows(dataset_file, max_samples)}
-    view = read_run(batch_files(run_dir), RunView(scan.key_to_index, ids=scan.ids, tally=False, log=log))
+    # every sample of every row (--samples_per_prompt), those the no-reasoning filter discards too
+    samples_per_prompt = config.get("samples_per_prompt")
+    samples_per_prompt = samples_per_prompt if isinstance(samples_per_prompt, int) and samples_per_prompt > 1 else 1
+    units = sample_units(scan.key_to_index, samples_per_prompt)
+    view = read_run(batch_files(run_dir), RunView(units, ids=sample_ids(scan.ids, samples_per_prompt), tally=False,
+                                                  log=log))
     winners = [(key, entry) for key, entry in view.rows.items() if entry.rank == OK_RANK]
     samples = []
     handles: dict[int, Any] = {}
@@ -72,7 +78,7 @@ def rescore_run(run_dir: Path, options: Any, *, make_judge: Callable[[], Any] | 
             handle.seek(entry.offset)
             fields = read_line(handle.read(entry.length))
             if fields is not None:
-                samples.append((rows[key], fields))
+                samples.append((rows[row_key_of(key)], fields))
     finally:
         for handle in handles.values():
             handle.close()

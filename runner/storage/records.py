@@ -121,6 +121,9 @@ class Metadata(_Model):
     duration_seconds: float
     usage: UsageRecord = Field(default_factory=UsageRecord)
     seed: int  # the run's seed (drawn at random and recorded when --seed is not given)
+    sample: int = 0  # 0-based index of this sample of the row (--samples_per_prompt)
+    samples: int = 1  # --samples_per_prompt: samples of every row
+    sample_seed: int = 0  # the sample's own seed, from the run's seed, the row and the sample
     tools_offered: list[str] = Field(default_factory=list)
     stop_reason: str = ""  # final_answer, turn_limit, why a partial row stopped; "failed" for failures
     toolsets_sampled: list[str] = Field(default_factory=list)  # before tools that cannot run were removed

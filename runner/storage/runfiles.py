@@ -204,7 +204,8 @@ class CheckpointFile(_File):
     batch_stats: dict[str, Any] = Field(default_factory=dict)
     last_updated: str | None = None
     files: dict[str, int] = Field(default_factory=dict)  # batch file -> size the cache covers
-    rows: dict[str, Any] | None = None  # key -> [outcome, prompt_index, failures]; None: no cache of rows
+    # key -> [outcome, prompt_index, failures] (+ passed, for a scored sample); None: no cache of rows
+    rows: dict[str, Any] | None = None
     spend: dict[str, Any] | None = None  # bucket -> Spend.cache_form()
 
 

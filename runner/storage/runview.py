@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.usage import COUNT_FIELDS, TOKEN_FIELDS, Spend
+from runner.input.samples import row_key_of
 from runner.storage.records import OUTCOME_RANK, RESCORES_FILE, LineFields, read_line, read_rescores
+from runner.storage.scores import ScoreTally, primary_score
 from runner.storage.spendtally import SpendTally
 from tools.registry import all_tool_names
 
@@ -59,6 +61,11 @@ class RowEntry:
     row_id: str = ""  # metadata.id of the winning line
     detail: Any = None  # what the view's `detail` hook made of the winning line (the report's summary)
     rescored: list | None = None  # the winning line's latest scores when --rescore gave it some (rescores.jsonl)
+    sample: int = 0  # metadata.sample of the winning line
+    passed: bool | None = None  # its primary score passed (None: not scored)
+    score: float | None = None  # its primary score's value
+    selected: bool = True  # an ok winner that --keep puts into trajectories.jsonl
+    pending: Any = None  # (usage, duration, tally part) of an ok winner until the selection is made
 
     def beaten_by(self, rank: int) -> bool:
         """THE rule: a strictly better outcome wins; the first line of an outcome stays."""
@@ -104,6 +111,47 @@ class KeptTally:
                 self.reasoning[k] += v if isinstance(v, int) else 0
 
 
+@dataclass(frozen=True)
+class Selection:
+    """What the outputs keep, decided when they are built (never when a line is committed, so a
+    changed filter or selection needs no new model request)."""
+
+    discard_no_reasoning: bool = False  # the original's filter: an ok line whose model never reasoned
+    keep: str = "all"  # all | passing | best (--keep)
+    stop_after_passing: int | None = None  # a row's samples it spared are done, not "not run"
+
+    @classmethod
+    def of(cls, config: Any) -> Selection:
+        """From a RunConfig, or config.json's "config" mapping."""
+        if isinstance(config, Mapping):
+            reasoning = config.get("reasoning") or {}
+            disabled = isinstance(reasoning, Mapping) and reasoning.get("effort") == "none"
+            discard = not (config.get("keep_no_reasoning") or disabled)
+            keep, stop = config.get("keep"), config.get("stop_after_passing")
+        else:
+            discard, keep, stop = config.discard_without_reasoning, config.keep, config.stop_after_passing
+        return cls(discard_no_reasoning=bool(discard), keep=keep if keep in ("passing", "best") else "all",
+                   stop_after_passing=stop if isinstance(stop, int) and not isinstance(stop, bool) else None)
+
+
+def without_reasoning(raw: dict) -> bool:
+    """An ok line whose model never reasoned (what the no-reasoning filter discards)."""
+    stats = raw.get("reasoning_stats")
+    return isinstance(stats, dict) and not stats.get("turns_with_reasoning")
+
+
+def quality_outcome(raw: dict, outcome: str, selection: Selection) -> str:
+    """The outcome of a committed line once the quality filters are applied: ok, discarded or failed."""
+    if outcome == "ok" and selection.discard_no_reasoning and without_reasoning(raw):
+        return "discarded"
+    return outcome
+
+
+def _tally_part(raw: dict) -> dict:
+    """What KeptTally.add reads of a line, without its conversation."""
+    return {name: raw.get(name) for name in ("completed", "partial", "api_calls", "tool_stats", "reasoning_stats")}
+
+
 def invalid_tool(raw: dict) -> str | None:
     """Why an ok line cannot be kept: a tool name we do not know, or no conversation at all."""
     stats = raw.get("tool_stats")
@@ -145,8 +193,10 @@ class RunView:
 
     def __init__(self, dataset: Mapping[str, int] | None = None, *, ids: Mapping[str, str] | None = None,
                  tally: bool = True, detail: Detail | None = None,
-                 on_line: Callable[[LineFields], None] | None = None, log: Callable[[str], None] = print):
+                 on_line: Callable[[LineFields], None] | None = None, log: Callable[[str], None] = print,
+                 selection: Selection = Selection()):
         self.dataset = dataset
+        self.selection = selection
         self.ids = ids or {}
         self.tally = tally
         self.detail = detail
@@ -158,8 +208,12 @@ class RunView:
         self.lines = 0
         self.unreadable = 0
         self.filtered = 0
-        self.spend = {name: Spend() for name in SPEND_BUCKETS}
+        # "unselected": ok samples that --keep leaves out of trajectories.jsonl
+        self.spend = {name: Spend() for name in SPEND_BUCKETS + (("unselected",) if selection.keep != "all" else ())}
         self.kept = KeptTally()
+        self.discarded_work = KeptTally()  # the same figures over the rows the filters discarded
+        self.scores = ScoreTally()
+        self.unselected = 0
         self.batch_stats: dict[str, dict[str, int]] = {}
         self.spans: dict[str, list] = {}  # run_id -> [first start, last end, lines], from line timestamps
         # spend by model, retried attempts and spend over time (the merge and the report need them)
@@ -203,7 +257,8 @@ class RunView:
             batch: str | None = None) -> None:
         """Count one committed line (read from a file, or just committed by the store)."""
         self.lines += 1
-        key, outcome = fields.key, fields.outcome
+        key = fields.key
+        outcome = quality_outcome(fields.raw, fields.outcome, self.selection)
         rank = OUTCOME_RANK[outcome]
         batch_num = fields.batch_num
         self._count_batch(str(batch if batch_num is None else batch_num), outcome)
@@ -221,7 +276,7 @@ class RunView:
         entry.attempts += 1
         if outcome == "failed":
             entry.failures += 1
-        rescored = self._rescore(fields) if self.rescores and outcome == "ok" else None
+        rescored = self._rescore(fields) if self.rescores and fields.outcome == "ok" else None
         if outcome == "ok" and (bad := invalid_tool(fields.raw)):
             self.filtered += 1
             where = self.files[file_no].name if 0 <= file_no < len(self.files) else "a new line"
@@ -233,16 +288,53 @@ class RunView:
             return
         entry.rank, entry.prompt_index = rank, fields.prompt_index
         entry.file_no, entry.line_no, entry.offset, entry.length = file_no, line_no, offset, length
-        entry.error_class, entry.row_id = fields.error_class, fields.row_id
+        entry.error_class, entry.row_id, entry.sample = fields.error_class, fields.row_id, fields.meta.sample
         entry.rescored = rescored
-        if outcome == "ok":
+        scores = fields.meta.scores if outcome != "failed" else None
+        primary = primary_score(scores)
+        entry.passed, entry.score = (primary.passed, primary.value) if primary else (None, None)
+        if primary is not None and self.tally:
+            self.scores.add(row_key_of(key), scores)
+        if outcome == "ok" and self.selection.keep != "all":
+            entry.pending = (fields.usage, fields.duration, _tally_part(fields.raw))  # select() decides
+        elif outcome == "ok":
             self._spend("kept", fields)
             if self.tally:
                 self.kept.add(fields.raw)
         else:
             self._spend(outcome, fields)
+            if outcome == "discarded" and self.tally and isinstance(fields.raw.get("tool_stats"), dict):
+                self.discarded_work.add(fields.raw)
         if self.detail is not None:
             entry.detail = self.detail(fields, entry)
+
+    def select(self) -> None:
+        """--keep=passing|best, once every line is read: which ok samples trajectories.jsonl holds.
+        passing: the samples whose primary score passed; best: one per row, the highest primary
+        value (ties: the lowest sample index). The others are "unselected": counted, their spend
+        reported apart."""
+        keep = self.selection.keep
+        pending = [(key, entry) for key, entry in self.rows.items() if entry.pending is not None]
+        chosen: set[str] = set()
+        if keep == "passing":
+            chosen = {key for key, entry in pending if entry.passed}
+        elif keep == "best":
+            best: dict[str, tuple] = {}
+            for key, entry in pending:
+                rank = (entry.score if entry.score is not None else float("-inf"), -entry.sample)
+                row = row_key_of(key)
+                if row not in best or rank > best[row][0]:
+                    best[row] = (rank, key)
+            chosen = {key for _rank, key in best.values()}
+        for key, entry in pending:
+            usage, duration, part = entry.pending
+            entry.pending = None
+            entry.selected = key in chosen
+            self.spend["kept" if entry.selected else "unselected"].add(usage, duration)
+            if not entry.selected:
+                self.unselected += 1
+            elif self.tally:
+                self.kept.add(part)
 
     def _rescore(self, fields: LineFields) -> list | None:
         """Put the line's latest rescore in place of its own scores; those scores, if it had one."""
@@ -298,42 +390,74 @@ class RunView:
         return entry is not None and entry.committed
 
     def counts(self) -> dict[str, Any]:
-        """Row outcomes of the dataset (every key in the files when no dataset was given)."""
-        discarded = failed = 0
+        """Row outcomes of the dataset (every key in the files when no dataset was given). With
+        --stop_after_passing, the samples of a row that passed enough which were not run (or whose
+        attempts failed) are "spared": done, neither failed nor "not run"."""
+        discarded = failed = spared = 0
         failed_by_class: dict[str, int] = {}
         retried = 0
-        for entry in self.rows.values():
+        spares = self._spares()
+        for key, entry in self.rows.items():
             if entry.attempts > 1:
                 retried += 1
             if entry.rank == DISCARDED_RANK:
                 discarded += 1
+            elif entry.rank < DISCARDED_RANK and spares(key):
+                spared += 1
             elif entry.rank == OUTCOME_RANK["failed"]:
                 failed += 1
                 cls = entry.error_class or "agent"
                 failed_by_class[cls] = failed_by_class.get(cls, 0) + 1
         with_winner = sum(1 for e in self.rows.values() if e.rank != NO_WINNER)
         total = len(self.dataset) if self.dataset is not None else len(self.rows)
+        spared_unrun = 0
+        if self.dataset is not None and self.selection.stop_after_passing is not None:
+            spared_unrun = sum(1 for key in self.dataset if key not in self.rows and spares(key))
+        outcomes = {
+            "ok": self.kept.ok,
+            "completed": self.kept.completed,
+            "partial": self.kept.partial,
+            "turn_limit": self.kept.turn_limit,
+            "discarded": discarded,
+            "failed": failed,
+            "not_run": total - with_winner - spared_unrun - sum(
+                1 for key, e in self.rows.items() if e.rank == NO_WINNER and spares(key)),
+            "filtered": self.filtered,
+        }
+        if self.selection.keep != "all":
+            outcomes["unselected"] = self.unselected
+        if self.selection.stop_after_passing is not None:
+            outcomes["spared"] = spared + spared_unrun
         return {
-            "outcomes": {
-                "ok": self.kept.ok,
-                "completed": self.kept.completed,
-                "partial": self.kept.partial,
-                "turn_limit": self.kept.turn_limit,
-                "discarded": discarded,
-                "failed": failed,
-                "not_run": total - with_winner,
-                "filtered": self.filtered,
-            },
+            "outcomes": outcomes,
             "failed_by_class": dict(sorted(failed_by_class.items())),
             "retried_rows": retried,
         }
 
+    def passed_by_row(self) -> dict[str, int]:
+        """Row key -> its committed samples whose primary score passed."""
+        passed: dict[str, int] = {}
+        for key, entry in self.rows.items():
+            if entry.passed and entry.rank >= DISCARDED_RANK:
+                row = row_key_of(key)
+                passed[row] = passed.get(row, 0) + 1
+        return passed
+
+    def _spares(self) -> Callable[[str], bool]:
+        """Does --stop_after_passing spare this sample key (its row has that many passing samples)?"""
+        wanted = self.selection.stop_after_passing
+        if wanted is None:
+            return lambda key: False
+        passed = self.passed_by_row()
+        return lambda key: passed.get(row_key_of(key), 0) >= wanted
+
 
 def read_run(files: list[Path], view: RunView) -> RunView:
-    """Read every batch file (in order) into `view`."""
+    """Read every batch file (in order) into `view`, then make the selection (--keep)."""
     view.files = list(files)
     if files:
         view.read_rescores(files[0].parent)
     for file_no, path in enumerate(files):
         view.read_file(file_no, path)
+    view.select()
     return view

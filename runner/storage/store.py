@@ -25,7 +25,7 @@ from typing import Any, Iterator
 from runner.storage.records import (OUTCOME_RANK, LineFields, outcome_of, record_line, row_key_of, stamp_batch,
                                     validate_record)
 from runner.storage.runfiles import CheckpointError, CheckpointFile, read_checkpoint, write_checkpoint
-from runner.storage.runview import NO_WINNER, SPEND_BUCKETS, RowEntry, RunView, Spend
+from runner.storage.runview import NO_WINNER, SPEND_BUCKETS, RowEntry, RunView, Selection, Spend
 from runner.input.secrets import redact_bytes
 from runner.storage.atomic import atomic_write_bytes, atomic_write_json, keep_mode, private_opener  # noqa: F401 (their home for callers)
 
@@ -112,12 +112,14 @@ def iter_lines(path: Path, start: int = 0) -> Iterator[tuple[int, bytes]]:
 class RunStore:
     CHECKPOINT_EVERY = 2.0  # seconds between coalesced checkpoint writes
 
-    def __init__(self, run_dir: Path, run_name: str, batch_size: int):
+    def __init__(self, run_dir: Path, run_name: str, batch_size: int, selection: Selection = Selection()):
         self.run_dir = run_dir
         self.run_name = run_name
         self.batch_size = batch_size
         self.checkpoint_path = run_dir / "checkpoint.json"
-        self.view = RunView(tally=False)  # what the batch files say (runner/storage/runview.py)
+        # The store needs no selection among samples (--keep is the merge's): only the filters.
+        self.selection = Selection(discard_no_reasoning=selection.discard_no_reasoning)
+        self.view = RunView(tally=False, selection=self.selection)  # what the batch files say (runner/storage/runview.py)
         self.file_sizes: dict[str, int] = {}
         self._handle = None
         self._opening: Path | None = None  # the batch file being opened (named if that fails)
@@ -164,7 +166,7 @@ class RunStore:
             (self.run_dir / name).exists() and (self.run_dir / name).stat().st_size >= size
             for name, size in cached_sizes.items()
         )
-        self.view = RunView(tally=False, log=log)
+        self.view = RunView(tally=False, log=log, selection=self.selection)
         self.view.files = files
         if trusted:
             self._restore(checkpoint)
@@ -176,9 +178,10 @@ class RunStore:
     def _restore(self, checkpoint: CheckpointFile) -> None:
         """The view as checkpoint.json caches it: row states, batch statistics and the spend."""
         rows = self.view.rows
-        for key, (outcome, index, failures) in checkpoint.rows.items():
+        for key, (outcome, index, failures, *passed) in checkpoint.rows.items():
             rank = OUTCOME_RANK.get(outcome, NO_WINNER)
-            rows[key] = RowEntry(rank, index, failures=failures, attempts=failures + (rank != OUTCOME_RANK["failed"]))
+            rows[key] = RowEntry(rank, index, failures=failures, attempts=failures + (rank != OUTCOME_RANK["failed"]),
+                                 passed=passed[0] if passed else None)
         self.view.batch_stats = checkpoint.batch_stats
         for bucket in SPEND_BUCKETS:
             self.view.spend[bucket] = Spend.from_cache(checkpoint.spend.get(bucket) or {})
@@ -300,7 +303,9 @@ class RunStore:
                     "batch_stats": self.batch_stats,
                     "last_updated": datetime.now().isoformat(),
                     "files": self.file_sizes,
-                    "rows": {k: [_OUTCOME_NAME.get(e.rank, "none"), e.prompt_index, e.failures] for k, e in rows.items()},
+                    # [outcome, prompt_index, failures] and, for a scored sample, whether it passed
+                    "rows": {k: [_OUTCOME_NAME.get(e.rank, "none"), e.prompt_index, e.failures,
+                                 *(() if e.passed is None else (e.passed,))] for k, e in rows.items()},
                     "spend": {bucket: spend.cache_form() for bucket, spend in self.view.spend.items()},
                 },
             )

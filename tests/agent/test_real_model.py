@@ -233,3 +233,34 @@ def test_the_compressor_summarises_a_trajectory_with_the_real_model(real_model_s
     totals = json.loads((tmp_path / "runs_compressed.metrics.json").read_text())
     assert totals["summariser"]["requests"] == len(exchanges) >= 1
     assert totals["summariser"]["completion_tokens"] > 0
+
+
+def test_a_model_without_reasoning_is_named_and_its_rows_kept_on_resume_with_no_new_request(
+        real_model_server, tmp_path):
+    """SmolLM2 gives no reasoning: with the no-reasoning filter on (the default) every row is
+    discarded. The run says so while it runs and in its summary, and a resume with
+    --keep_no_reasoning keeps the rows it already has, with no new request to the model."""
+    proxy = RecordingProxy(real_model_server.base_url)
+    proxy.start()
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in TERMINAL_PROMPTS[:2]])
+    args = ["--dataset_file=prompts.jsonl", "--batch_size=2", "--run_name=plain", f"--base_url={proxy.base_url}",
+            f"--model={MODEL_ALIAS}", "--distribution=terminal_only", "--max_turns=1", "--num_workers=1",
+            "--num_processes=1", "--seed=1", "--command_timeout=20", "--request_timeout=300"]
+    try:
+        first = run_cli(args, cwd=tmp_path, timeout=900)
+        requests = len(proxy.chat_exchanges())
+        resumed = run_cli([*args, "--resume", "--keep_no_reasoning"], cwd=tmp_path, timeout=300)
+        assert len(proxy.chat_exchanges()) == requests  # nothing asked again
+    finally:
+        proxy.stop()
+    out = first.stdout
+    assert first.returncode in (0, 2), out + first.stderr
+    run_dir = tmp_path / "data" / "plain"
+    done = [row for row in _committed_rows(run_dir) if not row.get("failed")]
+    assert done and all(row["reasoning_stats"]["turns_with_reasoning"] == 0 for row in done)
+    assert "were all discarded for no reasoning" in out and "--keep_no_reasoning" in out
+    assert f"0 of {len(done)} kept: all discarded for no reasoning (pass --keep_no_reasoning" in out
+    assert "No assistant turns recorded" not in out
+    assert resumed.returncode in (0, 2), resumed.stdout + resumed.stderr
+    kept = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(t["prompt_index"] for t in kept) == sorted(row["prompt_index"] for row in done)

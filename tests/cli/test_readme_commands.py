@@ -109,7 +109,7 @@ def test_scoring_page_commands_work(tmp_path):
 
     (tmp_path / "data").mkdir()
     shutil.copy(REPO / "data" / "example_scored.jsonl", tmp_path / "data")
-    commands = _doc_commands("samples-and-scoring.md")
+    commands = [c for c in _doc_commands("samples-and-scoring.md") if "--run_name=scored" in c]
     assert len(commands) == 2
     for command in commands:
         argv = shlex.split(command)
@@ -272,3 +272,31 @@ def test_documented_commands_run(tmp_path, page, commands):
                     tmp_path / "data" / run_name / "statistics.json").exists()
                 if any(a.startswith("--base_url=") for a in argv):
                     assert server.count() > 0  # the scripted server answered, no other
+
+
+@pytest.mark.slow
+def test_the_rejection_sampling_example_keeps_the_passing_samples(tmp_path):
+    """docs/samples-and-scoring.md's rejection-sampling command, then its --report --keep=best."""
+    import shlex
+
+    from tests.conftest import read_jsonl, run_cli
+
+    (tmp_path / "data").mkdir()
+    shutil.copy(REPO / "data" / "example_scored.jsonl", tmp_path / "data")
+    [command] = [c for c in _doc_commands("samples-and-scoring.md") if "--run_name=rejection" in c]
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "batch_runner.py"], command
+    proc = run_cli(argv[2:], tmp_path)
+    assert proc.returncode == 0, command + "\n" + proc.stdout + proc.stderr
+    run = tmp_path / "data" / "rejection"
+    lines = [line for path in sorted(run.glob("batch_*.jsonl")) for line in read_jsonl(path)]
+    assert len(lines) == 12
+    kept = read_jsonl(run / "trajectories.jsonl")
+    assert kept and all(t["metadata"]["scores"][0]["passed"] for t in kept)
+    assert len(kept) == sum(line["metadata"]["scores"][0]["passed"] for line in lines)
+    stats = json.loads((run / "statistics.json").read_text())
+    assert stats["outcomes"]["unselected"] == 12 - len(kept)
+    assert sorted(stats["scoring"]["pass_at_k"]) == ["1", "2", "3", "4"]
+    assert run_cli(["--report", "--run_name=rejection", "--keep=best"], tmp_path).returncode == 0
+    best = read_jsonl(run / "trajectories.jsonl")
+    assert [t["prompt_index"] for t in best] == [0, 1, 2]

@@ -120,7 +120,7 @@ def test_single_provider_and_reasoning_disabled(tmp_path, model_server, remote_a
     assert len(read_jsonl(_files(tmp_path) / "trajectories.jsonl")) == 1
 
 
-def test_no_reasoning_filter_writes_tombstones(tmp_path, model_server, remote_args):
+def test_no_reasoning_filter_is_applied_when_the_outputs_are_built(tmp_path, model_server, remote_args):
     rows = [{"prompt": "@reasoning none\nAnswer plainly."}, {"prompt": "Answer with reasoning."},
             {"prompt": "@reasoning scratchpad\nThink in a scratchpad."}, {"prompt": "@reasoning details\nDetails."}]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
@@ -132,15 +132,24 @@ def test_no_reasoning_filter_writes_tombstones(tmp_path, model_server, remote_ar
     assert "<think>" in kept[1]["conversations"][2]["value"]  # scratchpad converted
     assert "REASONING_SCRATCHPAD" not in json.dumps(kept[1])
     lines = [r for p in out.glob("batch_*.jsonl") for r in read_jsonl(p)]
-    tombstones = [r for r in lines if r.get("discarded")]
-    assert len(tombstones) == 1 and tombstones[0]["discarded"] == "no_reasoning"
-    assert tombstones[0]["prompt_index"] == 0 and tombstones[0]["prompt"] == rows[0]["prompt"]
+    # The discarded row's batch line keeps its whole conversation: the filter is the merge's.
+    without = [r for r in lines if r["reasoning_stats"]["turns_with_reasoning"] == 0]
+    assert len(without) == 1 and without[0]["prompt_index"] == 0
+    assert [t["from"] for t in without[0]["conversations"]][1:] == ["human", "gpt"]
+    assert without[0]["conversations"][1]["value"] == rows[0]["prompt"]
     stats = json.loads((out / "statistics.json").read_text())
     assert stats["discarded_no_reasoning"] == 1 and stats["outcomes"]["discarded"] == 1
     # A resume does not pay for the discarded row again.
     before = model_server.count()
     proc = _run(tmp_path, dataset, remote_args, "--distribution=terminal_only", "--resume")
     assert proc.returncode == 0 and model_server.count() == before
+    assert len(read_jsonl(out / "trajectories.jsonl")) == 3
+    # With --keep_no_reasoning it is kept, still with no new request, as made the first time.
+    proc = _run(tmp_path, dataset, remote_args, "--distribution=terminal_only", "--resume", "--keep_no_reasoning")
+    assert proc.returncode == 0 and model_server.count() == before, proc.stderr
+    kept = read_jsonl(out / "trajectories.jsonl")
+    assert [t["prompt_index"] for t in kept] == [0, 1, 2, 3] and kept[0] == without[0]
+    assert json.loads((out / "statistics.json").read_text())["outcomes"]["discarded"] == 0
 
     # --keep_no_reasoning keeps such rows.
     proc = _run(tmp_path, dataset, remote_args, "--distribution=terminal_only", "--keep_no_reasoning", run_name="k")

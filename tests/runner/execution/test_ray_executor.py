@@ -136,6 +136,20 @@ def test_ray_run_matches_local_run(tmp_path, two_nodes, server):
     assert ray_stats["outcomes"]["ok"] == 10 and ray_stats["outcomes"]["failed"] == 0
 
 
+@needs_ray
+def test_ray_runs_each_sample_once_like_the_local_pool(tmp_path, two_nodes, server):
+    cluster, _ = two_nodes
+    dataset = write_jsonl(tmp_path / "d.jsonl", _prompts(3))
+    proc = run_cli(_args(dataset, server, "--executor=ray", f"--ray_address={cluster.address}",
+                         "--sessions_per_node=2", "--samples_per_prompt=3"), tmp_path, timeout=180,
+                   env=dict(LOOPBACK_ENV))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")
+    assert [(r["prompt_index"], r["metadata"]["sample"], r["metadata"]["samples"]) for r in rows] == [
+        (i, s, 3) for i in range(3) for s in range(3)]
+    assert len({r["metadata"]["sample_seed"] for r in rows}) == 9
+
+
 def _task(index: int, prompt: str) -> Task:
     return Task(key=f"k{index}", index=index, prompt=prompt, image=None, cwd=None, id="", attempt=1,
                 task_id=f"t-p{index}-a1", seed=1)

@@ -43,10 +43,10 @@ def _dataset(rng: random.Random) -> tuple[list[dict], dict[str, int]]:
     return rows, failures
 
 
-def _start(dataset, server, cwd, resume: bool, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+def _start(dataset, server, cwd, resume: bool, stdout=subprocess.DEVNULL, extra=()) -> subprocess.Popen:
     args = [sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--run_name=chaos",
             "--batch_size=16", f"--num_workers={WORKERS}", "--distribution=terminal_only", "--max_turns=4",
-            f"--base_url={server.base_url}", "--model=m", "--api_key=x", "--seed=3"]
+            f"--base_url={server.base_url}", "--model=m", "--api_key=x", "--seed=3", *extra]
     if resume:
         args.append("--resume")
     return subprocess.Popen(args, cwd=cwd, stdout=stdout, stderr=subprocess.PIPE, text=True,
@@ -76,8 +76,10 @@ def _check_accounting(out, rows) -> dict:
     for t in trajectories:
         assert t["conversations"][1]["value"] == rows[t["prompt_index"]]["prompt"]
     lines = [r for p in sorted(out.glob("batch_*.jsonl")) for r in read_jsonl(p)]
-    ok_keys = [r["metadata"]["row_key"] for r in lines if not r.get("failed") and not r.get("discarded")]
-    discarded_keys = [r["metadata"]["row_key"] for r in lines if r.get("discarded")]
+    # A row without reasoning is committed whole; the merge's no-reasoning filter discards it.
+    done = [r for r in lines if not r.get("failed")]
+    discarded_keys = [r["metadata"]["row_key"] for r in done if r["reasoning_stats"]["turns_with_reasoning"] == 0]
+    ok_keys = [r["metadata"]["row_key"] for r in done if r["reasoning_stats"]["turns_with_reasoning"] > 0]
     assert len(ok_keys) == len(set(ok_keys)), "a row was committed twice"
     assert len(discarded_keys) == len(set(discarded_keys))
     assert not set(ok_keys) & set(discarded_keys)
@@ -211,3 +213,39 @@ def test_second_ctrl_c_quits_at_once_and_loses_nothing(tmp_path, model_server):
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     _check_accounting(tmp_path / "data" / "chaos", rows)
+
+
+def test_sigkill_of_a_sampled_scored_run_then_resume_finds_each_sample_once(tmp_path, model_server):
+    rng = random.Random(20261201)
+    samples = 3
+    rows = [{"prompt": f"@latency {rng.uniform(0.05, 0.2):.3f}\n@answers right|wrong\n"
+                       f"@tool terminal {{\"command\": \"echo s{i}\"}}\nSampled prompt #{i}.", "target": "right"}
+            for i in range(60)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    flags = [f"--samples_per_prompt={samples}", "--scorer=includes"]
+    kills = 0
+    for attempt in range(3):
+        proc = _start(dataset, model_server, tmp_path, resume=attempt > 0, extra=flags)
+        time.sleep(rng.uniform(1.6, 3.2))
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait(30)
+    assert kills >= 2, "the runs finished too fast to be interrupted; the test proves nothing"
+    proc = _start(dataset, model_server, tmp_path, resume=True, extra=flags)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    out = tmp_path / "data" / "chaos"
+    lines = [r for p in sorted(out.glob("batch_*.jsonl")) for r in read_jsonl(p)]
+    done = Counter((r["prompt_index"], r["metadata"]["sample"]) for r in lines if not r.get("failed"))
+    assert done == Counter({(i, s): 1 for i in range(len(rows)) for s in range(samples)})  # each exactly once
+    assert all(len(r["metadata"]["scores"]) == 1 for r in lines if not r.get("failed"))
+    kept = read_jsonl(out / "trajectories.jsonl")
+    assert [(t["prompt_index"], t["metadata"]["sample"]) for t in kept] == sorted(done)
+    scoring = json.loads((out / "statistics.json").read_text())["scoring"]
+    assert scoring["samples"] == len(rows) * samples
+    assert scoring["passed"] == sum(r["metadata"]["scores"][0]["passed"] for r in lines if not r.get("failed"))
+    # no committed sample was paid for again: extra openings only from samples in flight at a kill
+    seen = _first_requests(model_server)
+    extra = sum(seen[r["prompt"]] - samples for r in rows)
+    assert 0 <= extra <= kills * WORKERS, (extra, kills)
