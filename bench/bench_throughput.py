@@ -76,7 +76,9 @@ def run_preset(name: str, sessions: int, latency: float, prompts: int, keep: boo
     tmp = make_tmpdir(f"bench_tp_{name}_", keep)
     try:
         dataset = tmp / "prompts.jsonl"
-        write_dataset(dataset, prompts)
+        samples = next((int(a.split("=", 1)[1]) for a in extra if a.startswith("--samples_per_prompt=")), 1)
+        write_dataset(dataset, prompts // samples)  # `prompts` sessions: prompts / samples rows of `samples` each
+        prompts = prompts // samples * samples
         ideal = sessions / (TURNS * latency)
         with ModelServerProcess(latency, tmp) as server:
             args = [f"--dataset_file={dataset}", "--run_name=bench", "--batch_size=100", f"--num_workers={sessions}",
@@ -250,6 +252,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="run each preset N times and report the median run")
     parser.add_argument("--keep", action="store_true", help="keep the temp dirs")
     parser.add_argument("--scorer", help="pass --scorer to the runner (each row has a target and a verify command)")
+    parser.add_argument("--samples", type=int, default=1, help="samples per prompt (the sessions stay --prompts)")
     opts = parser.parse_args()
     if not (opts.preset or opts.all or opts.startup):
         opts.preset = "quick"
@@ -266,6 +269,8 @@ def main() -> None:
                 p[key] = getattr(opts, key)
         label = name if p == PRESETS[name] else f"{name}*"  # * = overridden by --sessions/--latency/--prompts
         extra = [f"--scorer={opts.scorer}"] if opts.scorer else []
+        if opts.samples > 1:
+            extra.append(f"--samples_per_prompt={opts.samples}")
         runs = [run_preset(label, p["sessions"], p["latency"], p["prompts"], opts.keep, opts.num_processes, extra)
                 for _ in range(max(1, opts.repeat))]
         runs.sort(key=lambda r: r["throughput"])
