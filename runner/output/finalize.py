@@ -22,6 +22,7 @@ from typing import Any
 from runner.console import plural
 from runner.output.report import report_details, write_report
 from runner.output.statistics import build_statistics, dataset_of, run_time, statistics_of, tool_statistics  # noqa: F401
+from runner.output.status import THROUGHPUT_DEFINITION, rows_per_minute, throughput_text
 from runner.storage import runfiles
 from runner.storage.records import relocated_line
 from runner.storage.runfiles import Invocation, write_statistics  # noqa: F401 (callers take them from here)
@@ -151,8 +152,11 @@ def print_summary(stats: dict, run_dir: Path, out=print, headline: str = "BATCH 
             + (f"; scorer errors {scoring['errors']}" if scoring["errors"] else ""))
     out(f"✅ Total batch files merged: {stats['total_batches']}")
     run = stats["run_time"]
+    with_outcome = outcomes["ok"] + outcomes["discarded"] + outcomes["failed"]
+    rate = rows_per_minute(with_outcome, run["running_seconds"])
     out(f"⏱️  Total duration: {stats['duration_seconds']}s"
-        + (f" over {run['invocations']} invocations" if run["invocations"] > 1 else ""))
+        + (f" over {run['invocations']} invocations" if run["invocations"] > 1 else "")
+        + (f"; throughput {throughput_text(rate)} ({THROUGHPUT_DEFINITION})" if rate is not None else ""))
     out(_spend_line("🔢 Spent (every attempt)", stats["spend"]["all"]) + f"; retries {stats['retries']:,}")
     for bucket, label in (("kept", "kept rows"), ("discarded", "discarded rows"), ("unselected", "samples not selected"),
                           ("failed", "failed attempts"), ("other", "other lines"), ("rescoring", "rescoring (--rescore)")):

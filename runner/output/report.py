@@ -42,6 +42,7 @@ from runner.storage.records import OUTCOMES, LineFields, dropped_lines, note_lin
 from runner.storage.runfiles import ConfigFile, read_config, read_statistics
 from runner.storage.runview import Detail, RowEntry, RunView, Selection, parse_time, read_run
 from runner.output.spend_view import read_invocations
+from runner.output.status import THROUGHPUT_DEFINITION, rows_per_minute
 from runner.storage.store import batch_files, keep_mode
 
 REPORT_NAME = "report.html"
@@ -408,7 +409,8 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
             "last_ended_at": run_time["last_ended_at"],
             "invocation_count": run_time["invocations"],
             "invocations": invocations,
-            "rows_per_minute": round(len(rows) / active * 60, 2) if active > 0 else None,
+            "rows_per_minute": _two_places(rows_per_minute(len(rows), active)),
+            "throughput_definition": THROUGHPUT_DEFINITION,
             "row_seconds_p50": _percentile(durations, 0.5),
             "row_seconds_p90": _percentile(durations, 0.9),
             "row_seconds_max": max(durations) if durations else None,
@@ -668,3 +670,7 @@ def write_report(run_dir: Path, *, max_full_conversations: int = 500, log=print,
         raise
     log(f"   report.html: {len(rows):,} rows, {len(full):,} full conversations, {target.stat().st_size / 1e6:.1f} MB")
     return target
+
+
+def _two_places(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)

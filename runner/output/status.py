@@ -176,6 +176,19 @@ def forecast(spent: float | None, finished_rows: int, kept_rows: int, remaining_
     return Forecast(spent / kept_rows if kept_rows else None, remaining, spent + remaining, low, high)
 
 
+# Throughput, the same in the console, the summary and the report: rows that got an outcome (kept,
+# discarded or failed) per minute of running time (from an invocation's start to its end).
+THROUGHPUT_DEFINITION = "rows with an outcome per minute of running time"
+
+
+def rows_per_minute(rows: int, seconds: float | None) -> float | None:
+    return rows / seconds * 60 if seconds and seconds > 0 and rows else None
+
+
+def throughput_text(rate: float | None) -> str:
+    return "unknown" if rate is None else f"{rate:,.1f} rows/min"
+
+
 def money(value: float | None) -> str:
     if value is None:
         return "unknown"
@@ -383,7 +396,7 @@ class RunMonitor:
             if outlook["total_low_usd"] is not None:
                 text += f" ({money(outlook['total_low_usd'])} to {money(outlook['total_high_usd'])})"
         if s["rate_rows_per_second"]:
-            text += f"; {s['rate_rows_per_second']:.2f} rows/s"
+            text += f"; {throughput_text(s['rate_rows_per_second'] * 60)}"
         if s["eta_seconds"] is not None:
             text += f", ETA {duration_text(s['eta_seconds'])}"
         if spend["estimated"]:

@@ -349,7 +349,7 @@ def test_report_page_in_chromium(tmp_path, model_server, remote_args):
             assert kpi("ok") == outcomes["ok"] and kpi("discarded") == outcomes["discarded"]
             assert kpi("failed") == outcomes["failed"] and kpi("not_run") == outcomes["not_run"]
             assert kpi("partial") == outcomes["partial"] and kpi("total") == stats["total_prompts"]
-            assert page.text_content('.card[data-kpi="failed"] .detail') == "provider 2"
+            assert page.text_content('.card[data-kpi="failed"] .detail') == "provider 2 · retry with --resume"
             terminal = stats["tool_statistics"]["terminal"]
             assert f"{terminal['count']} calls" in page.text_content('#chart-tools g[data-label="terminal"]')
             assert page.locator("#chart-timeline svg path").count() >= 2
@@ -416,3 +416,38 @@ def test_report_page_in_chromium(tmp_path, model_server, remote_args):
         finally:
             browser.close()
     assert (ARTIFACTS / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.browser
+def test_report_cards_legend_backends_and_throughput(tmp_path, model_server, remote_args):
+    """The resume hint is on the failed card, the dashed invocation marks of the spend chart are in
+    its legend, tool_backends reads as options (not a JSON blob), and the report's throughput is the
+    console summary's, in the same unit and with the same stated definition."""
+    _require_chromium()
+    from playwright.sync_api import sync_playwright
+
+    rows = [{"prompt": f"Answer {i}.", "id": f"row-{i}"} for i in range(4)]
+    rows.append({"prompt": "@fail 400 1\nA bad request.", "id": "bad"})
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=2", "--distribution=minimal",
+                    "--price_input_per_mtok=1", "--price_output_per_mtok=2", *remote_args], tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    console_rate = re.search(r"throughput ([\d,.]+ rows/min) \(([^)]*)\)", proc.stdout)
+    assert console_rate, proc.stdout
+    run = tmp_path / "data" / "r"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1360, "height": 900})
+            page.goto((run / "report.html").as_uri())
+            page.wait_for_selector("body[data-ready=true]", timeout=30_000)
+            assert "--resume" in page.text_content('.card[data-kpi="failed"] .detail')
+            assert "retry" not in page.text_content('.card[data-kpi="not_run"] .detail')
+            legend = page.locator("#chart-spend .legend")
+            assert legend.locator(".dash-sw").count() == 1 and "an invocation ended" in legend.text_content()
+            config = page.text_content("#config")
+            assert "tool_backends.moa_aggregator_model" in config and '{"' not in config
+            duration = page.text_content("#duration")
+            assert f"{console_rate.group(1)} ({console_rate.group(2)})" in duration, (duration, console_rate.group(0))
+        finally:
+            browser.close()
