@@ -183,6 +183,7 @@ NOT_RUNNABLE = {
         "(tests/helpers/real_model.py) for a short run, and the run command here runs against the scripted server",
     "python bench/bench_throughput.py --all --repeat 3": "a benchmark (minutes of full load), run by hand",
     "python bench/bench_throughput.py --startup": "a benchmark, run by hand",
+    "python bench/bench_throughput.py --preset quick --samples 4 --scorer includes": "a benchmark, run by hand",
     "python bench/bench_dataset.py": "a benchmark (1,000,000 rows), run by hand",
     "python bench/bench_resume.py": "a benchmark (100,000 rows), run by hand",
     "python bench/bench_report.py": "a benchmark (100,000 rows), run by hand",
