@@ -129,30 +129,32 @@ class Usage:
     def read(cls, data: Any) -> Usage:
         """A committed `usage` (or one of its `by_model` entries) as it was written, by any schema:
         what is not a number counts 0, and a cost that is not a number (schema 2 wrote null for an
-        unknown cost) makes the cost unknown."""
+        unknown cost) makes the cost unknown. Called for every line a merge reads: kept cheap."""
         if not isinstance(data, Mapping):
             return cls()
-        usage = cls()
-        for name in COUNT_FIELDS:
-            value = data.get(name)
-            if value and _number(value):
-                setattr(usage, name, int(value))
-        cost = data.get("cost")
-        unpriced = data.get("unpriced_requests")
-        usage.unpriced_requests = int(unpriced) if unpriced and _number(unpriced) else 0
+        get = data.get
+        counts = [get(name) or 0 for name in COUNT_FIELDS]
+        if not all(type(value) is int for value in counts):  # a hand-edited or foreign line
+            counts = [int(value) if _number(value) else 0 for value in counts]
+        unpriced = get("unpriced_requests") or 0
+        if type(unpriced) is not int:
+            unpriced = int(unpriced) if _number(unpriced) else 0
+        cost = get("cost")
         if _number(cost) and math.isfinite(cost):
-            usage.cost = float(cost)
-        elif not usage.unpriced_requests:
-            usage.unpriced_requests = 1
-        by_model = data.get("by_model")
-        if isinstance(by_model, list):
-            for entry in by_model:
-                if isinstance(entry, Mapping) and "model" in entry:
-                    usage.by_model[str(entry["model"])] = cls.read(entry)
-        elif isinstance(by_model, Mapping):  # schema 2: model -> figures
-            for name, entry in by_model.items():
-                if isinstance(entry, Mapping):
-                    usage.by_model[str(name)] = cls.read(entry)
+            cost = float(cost)
+        else:
+            cost, unpriced = 0.0, unpriced or 1
+        usage = cls(*counts, cost, unpriced)
+        by_model = get("by_model")
+        if by_model:
+            if isinstance(by_model, list):
+                for entry in by_model:
+                    if isinstance(entry, Mapping) and "model" in entry:
+                        usage.by_model[str(entry["model"])] = cls.read(entry)
+            elif isinstance(by_model, Mapping):  # schema 2: model -> figures
+                for name, entry in by_model.items():
+                    if isinstance(entry, Mapping):
+                        usage.by_model[str(name)] = cls.read(entry)
         return usage
 
 
