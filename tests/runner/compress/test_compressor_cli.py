@@ -63,7 +63,9 @@ def test_long_rows_are_compressed_within_the_budget_and_every_row_is_kept_in_ord
     with ModelServer(policy=summarised()) as server:
         result = compress(flags(server), work)
         requests = [r.body for r in server.requests if r.path.endswith("/chat/completions")]
+        keys = {r.headers.get("authorization") for r in server.requests}
     assert result.returncode == 0, described(result)
+    assert keys == {f"Bearer {SECRET_KEY}"}  # the key given reaches the summariser, and nothing else
     source = read_jsonl(work / "runs.jsonl")
     output = read_jsonl(work / "runs_compressed.jsonl")
     assert len(output) == len(source)

@@ -59,3 +59,20 @@ def test_a_bad_compression_option_stops_the_run_before_any_request(tmp_path, mod
     result = run(tmp_path, remote_args, "--tokenizer=no_such_dir/")
     assert result.returncode == 1 and "--tokenizer=no_such_dir/: no tokenizer.json there" in result.stderr
     assert model_server.requests == []
+
+
+def test_the_offline_model_summarises_an_offline_run(tmp_path):
+    import shutil
+
+    from tests.conftest import REPO
+
+    shutil.copy(REPO / "data" / "example_prompts.jsonl", tmp_path / "d.jsonl")
+    result = run_cli(["--dataset_file=d.jsonl", "--run_name=m", "--batch_size=5", "--model=mock",
+                      "--compress_to_tokens=2000", "--summary_target_tokens=100"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "data" / "m"
+    compressed = read_jsonl(run_dir / "trajectories_compressed.jsonl")
+    assert len(compressed) == len(read_jsonl(run_dir / "trajectories.jsonl"))
+    assert "compressed" in [r["compression_metrics"]["status"] for r in compressed]
+    metrics = json.loads((run_dir / "trajectories_compressed.metrics.json").read_text())
+    assert metrics["summariser"]["cost_known"] is True  # the offline model is free, not unpriced
