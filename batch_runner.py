@@ -327,7 +327,7 @@ def build_config(**flags: Any):
     config.tools = _validated(ToolSettings, **tool_flags, run_name=config.run_name, run_id=uuid.uuid4().hex[:12],
                               model=config.model, **_tool_endpoints())
     _require_api_key(config)
-    config = config.model_copy(update=_checked(cost_options, cost_flags, config.model, config.base_url))
+    config = config.model_copy(update=_checked(cost_options, cost_flags, config.model))
     _require_installed(config)
     _check_compression(config)
     _checked(check_scoring, config)
@@ -488,6 +488,7 @@ class BatchRunner:
         self._passed: dict[str, int] = {}  # row key -> its committed samples that passed
         self._first_finished: list[str] | None = []  # outcomes of the first rows to finish (None: decided)
         self._to_run = 0
+        self._same_failure: tuple[str | None, int] = (None, 0)  # every_request_failed_as, rows in a row
         self.started_at = datetime.now().isoformat()
 
     # --- logging that does not tear the progress bar --------------------------------------
@@ -1088,17 +1089,28 @@ class BatchRunner:
             if problem:
                 raise UsageError(f"{problem}; nothing was started")
 
-    def _repeated_failure(self, cls: str | None, error: str) -> str | None:
+    def _repeated_failure(self, cls: str | None, error: str, usage: dict | None = None) -> str | None:
         """Why the run must stop when the same failure comes back row after row, else None: every
-        row of a recent window failed to connect, or had its first reply cut at --max_tokens."""
+        row of a recent window failed to connect, had its first reply cut at --max_tokens, or had
+        every request fail the same way (the endpoint is not the API it should be)."""
         streaks = self._streaks
         for name in ("connection", "truncated"):
             streaks[name] = streaks.get(name, 0) + 1 if cls == name else 0
-        if cls == "connection" and streaks[cls] >= max(3, min(self.config.num_workers, 8)):
+        window = max(3, min(self.config.num_workers, 8))
+        if cls == "connection" and streaks[cls] >= window:
             return f"the model endpoint cannot be reached: the last {streaks[cls]} rows all failed to connect ({error})"
         if cls == "truncated" and streaks[cls] >= 3:
+            limit = (f"--max_tokens={self.config.max_tokens} is too small for this model (raise it or leave it unset)"
+                     if self.config.max_tokens else "the server's default output limit is too small for this model "
+                     "(pass a larger --max_tokens)")
             return (f"configuration error: the first reply of the last {streaks[cls]} rows was cut at the output length "
-                    f"limit; --max_tokens={self.config.max_tokens} is too small for this model (raise it or leave it unset)")
+                    f"limit; {limit}")
+        same = every_request_failed_as(error) if cls == "provider" and _no_request_succeeded(usage) else None
+        before, count = self._same_failure
+        self._same_failure = (same, count + 1 if same and same == before else 1)
+        if same and self._same_failure[1] >= window:
+            return (f"the model endpoint {same}: every request of the last {self._same_failure[1]} rows failed "
+                    f"that way ({error})")
         return None
 
     def _after_commit(self, records: list[dict], counts: dict) -> None:
@@ -1121,7 +1133,7 @@ class BatchRunner:
                 self._passed[row] = self._passed.get(row, 0) + 1
             index = record["prompt_index"]
             repeated = self._repeated_failure(record.get("error_class") if outcome == "failed" else None,
-                                              record.get("error") or "")
+                                              record.get("error") or "", record["metadata"].get("usage"))
             if outcome == "failed":
                 cls = record.get("error_class")
                 self.log(f"   ❌ Prompt {index} failed ({cls}): {record['error']}")  # the cause whole
@@ -1196,6 +1208,30 @@ class BatchRunner:
             os._exit(EXIT_INTERRUPTED)
 
         return {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+
+def every_request_failed_as(error: str) -> str | None:
+    """The failure a row's error names, as one name for all rows that failed the same way ("HTTP
+    500 to every request"), or None for a failure that is not the endpoint's answer."""
+    from agent.model_client import ANSWERS_HTML
+
+    if ANSWERS_HTML in error:
+        return ANSWERS_HTML.removeprefix("the endpoint ")
+    status = re.match(r"HTTP (\d{3})\b", error)
+    if status:
+        return f"gives HTTP {status.group(1)} to every request"
+    if error.startswith("malformed response"):
+        return "gives a malformed reply to every request"
+    if error.startswith("request timed out"):
+        return "answers no request within --request_timeout"
+    return None
+
+
+def _no_request_succeeded(usage: dict | None) -> bool:
+    """Every request of the attempt failed: all but the first were retries (a failed row whose
+    model answered some request says nothing about the endpoint as a whole)."""
+    usage = usage or {}
+    return int(usage.get("requests") or 0) - int(usage.get("retries") or 0) <= 1
 
 
 def cli(argv: list[str] | None = None) -> None:

@@ -24,8 +24,9 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.types import ModelReply, ProviderError
+from agent.types import ModelMisbehaved, ModelReply, ProviderError
 from agent.trajectory import conversation_length
+from runner.input.secrets import redact
 from tools.environments.base import SandboxError
 from tools.registry import ToolContext, ToolSpec
 
@@ -209,18 +210,21 @@ async def run_conversation(
                           "arguments (use {} for no arguments).")
             retries[Reply.BAD_JSON] = 0
             continue
-        return _give_up(verdict, reply, result, retries[verdict.kind])
+        return _give_up(verdict, reply, result, retries[verdict.kind], getattr(model, "max_tokens", None))
     return await _turn_limit_summary(model, head, schemas, result)
 
 
-def _give_up(verdict: Verdict, reply: ModelReply, result: ConversationResult, count: int) -> ConversationResult:
+def _give_up(verdict: Verdict, reply: ModelReply, result: ConversationResult, count: int,
+             max_tokens: int | None = None) -> ConversationResult:
     """End the session on a bad reply: partial, or a failed row when there is nothing worth saving."""
     answered = any(m["role"] == "assistant" for m in result.messages)
     if verdict.kind is Reply.TRUNCATED and not answered:  # failed, so retried on resume, not kept empty
-        raise ProviderError("the first response was cut at the output length limit (--max_tokens too small?)",
-                            "truncated")
+        limit = (f"--max_tokens={max_tokens} too small?" if max_tokens else
+                 "the server's default output limit, as no --max_tokens was given: pass a larger one")
+        raise ProviderError(f"the first response was cut at the output length limit ({limit})", "truncated")
     if verdict.kind is Reply.EMPTY and not answered:
-        raise ProviderError(f"the model sent only empty replies ({count} in a row, no content, no tool call)")
+        raise ModelMisbehaved(f"the model sent only empty replies ({count} in a row, no content, no tool call)",
+                              result.dropped_replies)
     if verdict.kind is Reply.THINK_ONLY:
         result.messages.append(_assistant_message(reply))  # its last thought is the final turn
     result.partial, result.error = True, _GIVE_UP[verdict.kind].format(tool=verdict.tool)
@@ -233,7 +237,7 @@ def _with_a_model_turn(result: ConversationResult) -> ConversationResult:
     if any(m["role"] == "assistant" for m in result.messages):
         return result
     why = "; ".join(f"call {d['call']}: {d['reason']}" for d in result.dropped_replies) or "no reply was kept"
-    raise ProviderError(f"the model gave no usable reply, every reply was dropped ({why})")
+    raise ModelMisbehaved(f"the model gave no usable reply, every reply was dropped ({why})", result.dropped_replies)
 
 
 def _unique_ids(reply: ModelReply, result: ConversationResult) -> list[str]:
@@ -277,6 +281,7 @@ async def _run_tool(spec: ToolSpec, args: dict, ctx: ToolContext) -> str:
         result = {"error": f"{type(err).__name__}: {err}"}
     text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
     if len(text) > MAX_TOOL_RESULT_CHARS:
+        text = redact(text)  # before the cut, which could go through a key and leave a piece of it
         text = text[:MAX_TOOL_RESULT_CHARS] + f"\n[truncated: {len(text) - MAX_TOOL_RESULT_CHARS} more characters]"
     return text
 
@@ -296,7 +301,11 @@ async def _turn_limit_summary(model: Any, head: list[dict], schemas: list[dict] 
     _tell(result, SUMMARY_REQUEST)
     reply = await model.complete(head + [_for_api(m) for m in result.messages], tools=schemas, tool_choice="none")
     final = _answer_text(reply.content)
-    if final:
+    if reply.finish_reason == "length":  # as any reply cut there: not an answer, and the row says so
+        result.dropped_replies.append({"call": result.api_calls + 1,
+                                       "reason": "turn-limit summary: cut at the output length limit"})
+        result.partial, result.error = True, _GIVE_UP[Reply.TRUNCATED]
+    elif final:
         summary = _assistant_message(reply)  # any tool call in it is not kept: none may be made now
         summary.update(content=final, summary=True)
         result.messages.append(summary)

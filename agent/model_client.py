@@ -382,17 +382,43 @@ def _response_type() -> type:
 _RESPONSE_TYPE = _response_type()
 
 
+MAX_REPLY_BYTES = 16 * 1024 * 1024  # a model reply, decoded; real replies are a few kB to a few hundred
+
+
+class ReplyTooLarge(Exception):
+    """A reply body passed MAX_REPLY_BYTES (decoded): reading stopped there."""
+
+
+async def _read_bounded(response: Any) -> None:
+    """Read the body before the SDK does, stopping at MAX_REPLY_BYTES of decoded bytes, so a huge
+    reply or a compression bomb costs at most that much memory (the transport decodes gzip itself,
+    chunk by chunk). What was read becomes the response's content, as a full read would make it."""
+    chunks, size = [], 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            await response.aclose()
+            raise ReplyTooLarge(f"the reply is larger than the {MAX_REPLY_BYTES // 2**20} MiB limit of a model reply "
+                                f"(reading stopped there; HTTP {response.status_code}, "
+                                f"{response.headers.get('content-type') or 'no content type'})")
+        chunks.append(chunk)
+    response._content = b"".join(chunks)  # the transport's own cache of a read body (no public setter)
+
+
 def _http_client(openai: Any, connections: int) -> Any:
     """The SDK's aiohttp transport when installed (the default dependency set): it spends about a
-    third less CPU per request than the httpx one, which is what bounds sessions per process."""
+    third less CPU per request than the httpx one, which is what bounds sessions per process.
+    Redirects are followed the transport's way: the key is dropped when one leads to another
+    origin (host, port or scheme), only an upgrade from http to https on the same host keeps it."""
+    hooks = {"response": [_read_bounded]}
     try:
-        return openai.DefaultAioHttpClient()
+        return openai.DefaultAioHttpClient(event_hooks=hooks)
     except (AttributeError, RuntimeError):  # an SDK without aiohttp support, or aiohttp missing
         import httpx
 
         # One connection per session in flight: a larger pool only costs expiry checks per request.
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        return openai.DefaultAsyncHttpxClient(limits=limits)
+        return openai.DefaultAsyncHttpxClient(limits=limits, event_hooks=hooks)
 
 
 class ModelClient:
@@ -407,6 +433,7 @@ class ModelClient:
         requests_per_minute: float | None = None,
         policy: RetryPolicy | None = None,
         prompt_caching: str = "auto",  # on | off | auto (see wants_prompt_caching)
+        stop_after_unpriced: bool = False,  # a budget without prices: no request after a reply without a cost
     ):
         import openai
 
@@ -424,6 +451,8 @@ class ModelClient:
         self.prompt_caching = prompt_caching
         self.limiter = AdaptiveLimiter(max_in_flight)
         self.pacer = RequestPacer(requests_per_minute)
+        self.stop_after_unpriced = stop_after_unpriced
+        self.unpriced_reply = False  # a reply came without a cost (what stop_after_unpriced waits for)
 
     async def complete(
         self,
@@ -449,6 +478,9 @@ class ModelClient:
             body["max_tokens"] = max_tokens
         if extra_body:
             body.update(extra_body)
+        if self.unpriced_reply:  # its spend could not be known: the run's budget stops here
+            raise ProviderError("not sent: an earlier reply came without a cost, and --max_cost needs one (or the "
+                                "--price_* flags)", "unpriced")
         waited = 0.0
         for attempt in range(1, policy.max_attempts + 1):
             requested: float | None = None
@@ -462,13 +494,17 @@ class ModelClient:
             except openai.APIStatusError as err:
                 message, codes = _error_fields(err)
                 error_class, retryable = classify_status(err.status_code, codes)
-                failure = f"HTTP {err.status_code}: {message}"
+                failure = f"HTTP {err.status_code}: {message or '(no message)'}{_status_hint(err.status_code, body)}"
                 if err.status_code == 429:
                     self.limiter.on_throttled()
                 requested = server_requested_delay(getattr(err.response, "headers", None))
                 if not retryable:
                     raise ProviderError(failure, error_class, err.status_code) from None
                 status = err.status_code
+            except ReplyTooLarge as err:  # asked again, it would be as large again (and paid again)
+                raise ProviderError(str(err), "provider") from None
+            except asyncio.TimeoutError:
+                failure, status = f"request timed out after {policy.request_timeout:g}s", None
             except (openai.APITimeoutError, openai.APIConnectionError) as err:
                 # The aiohttp transport reports a refused connection or a failed DNS lookup as a
                 # timeout: the cause chain says what really happened.
@@ -505,9 +541,17 @@ class ModelClient:
             # The SDK's transport and errors, without its typed request/response models:
             # the body is already plain JSON, and converting it costs more CPU than the rest.
             # The raw response, because some endpoints report the cost in a header.
-            response = await self._client.post("/chat/completions", body=body, cast_to=_RESPONSE_TYPE)
+            # One limit for the whole request (connection, headers and body): the transport's own
+            # timeouts bound each wait for bytes, so a body dripped byte by byte or an event
+            # stream that never ends would hold the session for good.
+            response = await asyncio.wait_for(
+                self._client.post("/chat/completions", body=body, cast_to=_RESPONSE_TYPE), self.policy.request_timeout)
+            if _is_html(response.headers.get("content-type"), response.content):
+                raise ProviderError(f"HTTP {response.status_code}: {ANSWERS_HTML} (is --base_url the API's "
+                                    "address, such as http://host:port/v1?)", "provider", response.status_code)
             reply = reply_from_completion(orjson.loads(response.content))
             reply.usage["cost"] = reported_cost(reply.usage, response.headers)
+            self.unpriced_reply = self.unpriced_reply or (self.stop_after_unpriced and reply.usage["cost"] is None)
         except self._openai.APIStatusError:
             if stats is not None:
                 stats.answered_without_charge(model)
@@ -522,6 +566,14 @@ class ModelClient:
 
     async def close(self) -> None:
         await self._client.close()
+
+
+ANSWERS_HTML = "the endpoint answers HTML, not an OpenAI-compatible API"
+
+
+def _is_html(content_type: str | None, body: bytes) -> bool:
+    """A web page where JSON was expected: a proxy's welcome page, a login portal, a wrong path."""
+    return "html" in (content_type or "").lower() or body.lstrip()[:15].lower().startswith((b"<!doctype", b"<html"))
 
 
 def _host_of(url: str | None) -> str:
@@ -566,16 +618,48 @@ def never_sent(err: BaseException) -> bool:
     return False
 
 
+class _KeyStaysHome(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect, but without the key when it leads to another origin (host, port, or
+    scheme; only an upgrade from http to https on the same host keeps it): urllib itself would
+    send it wherever the redirect points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and not _same_origin(req.full_url, new.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+def _same_origin(old: str, new: str) -> bool:
+    """True when `new` is on the host and port of `old` by the same scheme, or an http -> https upgrade."""
+    before, after = urllib.parse.urlsplit(old), urllib.parse.urlsplit(new)
+    if (before.hostname or "").lower() != (after.hostname or "").lower():
+        return False
+    default = {"http": 80, "https": 443}
+    ports = (before.port or default.get(before.scheme), after.port or default.get(after.scheme))
+    if before.scheme == after.scheme:
+        return ports[0] == ports[1]
+    return (before.scheme, after.scheme) == ("http", "https") and ports == (80, 443)
+
+
+_PROBE_READ = 64 * 1024  # enough of GET /models to tell JSON from a web page
+
+
 def probe_endpoint(base_url: str, api_key: str | None, timeout: float = 10.0) -> str | None:
     """One cheap request (GET {base_url}/models) before a run starts: None when the endpoint
     answers (any HTTP status but 401/403: some servers have no /models), else what is wrong
-    (no connection, a refused key, or no answer within `timeout`)."""
+    (no connection, a refused key, a web page instead of an API, or no answer within `timeout`)."""
     request = urllib.request.Request(base_url.rstrip("/") + "/models", method="GET")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
+    opener = urllib.request.build_opener(_KeyStaysHome)
+    deadline = time.monotonic() + timeout
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            response.read(1)
+        with opener.open(request, timeout=timeout) as response:
+            body = _read_until(response, deadline)
+        if _is_html(response.headers.get("content-type"), body):
+            return (f"{ANSWERS_HTML}: GET {base_url.rstrip('/')}/models returned a web page (is --base_url the "
+                    "API's address, such as http://host:port/v1?)")
         return None
     except urllib.error.HTTPError as err:
         if err.code in (401, 403):
@@ -591,8 +675,30 @@ def probe_endpoint(base_url: str, api_key: str | None, timeout: float = 10.0) ->
         return f"cannot reach the model endpoint {base_url}: {cause or err}"
 
 
+def _read_until(response: Any, deadline: float) -> bytes:
+    """Up to _PROBE_READ bytes of a body, stopping at `deadline` (a body may drip)."""
+    data = b""
+    while len(data) < _PROBE_READ and time.monotonic() < deadline:
+        chunk = response.read1(_PROBE_READ - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _status_hint(status: int, body: dict) -> str:
+    """What an error status likely means for the request that got it, when it is not in the message."""
+    if status >= 500 and body.get("tool_choice") == "required":
+        return ("; some servers fail every request that sends tool_choice=required (llama.cpp's server "
+                "takes --tool_choice=auto or none)")
+    return ""
+
+
 def _error_fields(err: Any) -> tuple[str, tuple[str, ...]]:
     """The error's message, and its `code` and `type` strings (lower case) when the body has them."""
+    response = getattr(err, "response", None)
+    if response is not None and _is_html(response.headers.get("content-type"), response.content):
+        return ANSWERS_HTML, ()  # the page itself says nothing the user needs
     body = getattr(err, "body", None)
     inner = body.get("error", body) if isinstance(body, dict) else None
     if not isinstance(inner, dict):

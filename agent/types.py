@@ -21,7 +21,7 @@ class ModelReply:
 class ProviderError(Exception):
     """A model request that failed for good (after our retries, or not retryable).
 
-    error_class: provider (429/5xx/timeout/malformed/other 4xx/only empty replies), auth (401/403),
+    error_class: provider (429/5xx/timeout/malformed/other 4xx), model (see ModelMisbehaved), auth (401/403),
     quota (402 or an insufficient_quota code), connection (the endpoint cannot be reached: DNS,
     refused, closed, TLS), truncated (the first reply cut at max_tokens), budget (not sent: the
     run's cost budget is reached). auth and quota stop the whole run; connection and truncated stop
@@ -32,3 +32,12 @@ class ProviderError(Exception):
         super().__init__(message)
         self.error_class = error_class
         self.status = status
+
+
+class ModelMisbehaved(ProviderError):
+    """The endpoint answered, but no reply of the model could be used (all empty, or every one
+    dropped): error class `model`. `dropped_replies` lists them ({"call": n, "reason": ...})."""
+
+    def __init__(self, message: str, dropped_replies: list[dict]):
+        super().__init__(message, "model")
+        self.dropped_replies = list(dropped_replies)

@@ -10,6 +10,11 @@ With `--max_cost_hard` the rows in flight are cancelled (not committed; they run
 as soon as committed spend plus an estimate of what they have spent so far (the mean attempt cost,
 in proportion to how long each has run of the mean attempt duration) reaches the budget.
 
+Whether the endpoint reports each request's cost is decided by its replies, not by its name: a
+budget without prices starts, and the first reply that comes without a cost stops the run (no
+request starts after it in its worker, no row starts anywhere), since its spend can no longer be
+known; a resume with --price_input_per_mtok / --price_output_per_mtok goes on.
+
 The budget is for the run across invocations (`--max_cost_scope=run`, the default: the spend of
 earlier invocations, read from the committed lines, counts) or for this invocation alone
 (`--max_cost_scope=invocation`).
@@ -17,15 +22,15 @@ earlier invocations, read from the committed lines, counts) or for this invocati
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
 from agent.pricing import Prices
 
 SCOPES = ("run", "invocation")
-# Endpoints that report every request's cost in the reply (OpenRouter's usage.cost).
-_REPORTS_COST = re.compile(r"^https?://([a-z0-9-]+\.)*openrouter\.ai(:\d+)?(/|$)", re.IGNORECASE)
+UNPRICED = "unpriced"  # the error class of a request refused after a reply without a cost (under a budget)
+UNPRICED_REASON = ("a reply came without a cost (the endpoint reports none: no usage.cost, no "
+                   "x-litellm-response-cost header) and no prices were given, so --max_cost cannot be enforced")
 
 
 def _non_negative(value: Any, flag: str) -> float | None:
@@ -36,7 +41,7 @@ def _non_negative(value: Any, flag: str) -> float | None:
     return float(value)
 
 
-def cost_options(flags: dict, model: str, base_url: str | None) -> dict:
+def cost_options(flags: dict, model: str) -> dict:
     """RunConfig fields of the price and budget flags; ValueError with one clear line when bad."""
     price_in = _non_negative(flags.get("price_input_per_mtok"), "price_input_per_mtok")
     price_out = _non_negative(flags.get("price_output_per_mtok"), "price_output_per_mtok")
@@ -56,12 +61,6 @@ def cost_options(flags: dict, model: str, base_url: str | None) -> dict:
     hard = bool(flags.get("max_cost_hard"))
     if max_cost is None and hard:
         raise ValueError("--max_cost_hard needs --max_cost")
-    if max_cost is not None and prices is None and model != "mock" and not _REPORTS_COST.match(base_url or ""):
-        raise ValueError(
-            f"--max_cost needs the cost of every request, and {base_url} is not known to report it: pass "
-            "--price_input_per_mtok and --price_output_per_mtok (USD per million tokens; a cost the endpoint "
-            "does report, such as LiteLLM's x-litellm-response-cost header, still wins)"
-        )
     options = {"prices": prices, "max_cost": None if max_cost is None else float(max_cost), "max_cost_hard": hard}
     return options if scope is None else {**options, "max_cost_scope": scope}
 
@@ -69,13 +68,15 @@ def cost_options(flags: dict, model: str, base_url: str | None) -> dict:
 class Budget:
     """Decides, from the live spend figures, whether a row may start and whether to cancel."""
 
-    def __init__(self, limit: float, hard: bool, spend):
+    def __init__(self, limit: float, hard: bool, spend, priced: bool = False):
         self.limit = limit
         self.hard = hard
+        self.priced = priced  # prices were given: a reply without a reported cost is priced from its tokens
         self.spend = spend  # runner.output.status.LiveSpend: committed spend in the budget's scope
         self.started: dict[str, float] = {}  # row key -> monotonic start, of the rows in flight
         self.reached = False  # the budget stopped the run from starting rows
         self.unmeasurable = False  # ... because no committed attempt had a known cost
+        self.unpriced_reply = False  # ... because a reply came without a cost, and no prices were given
         self.cancelled = 0  # rows in flight cancelled at the budget (--max_cost_hard)
         self.cancelled_estimate = 0.0  # what they had spent, by the estimate that cancelled them
 
@@ -84,6 +85,14 @@ class Budget:
 
     def on_commit(self, key: str) -> None:
         self.started.pop(key, None)
+
+    def on_usage(self, unpriced_requests: int, error_class: str | None = None) -> bool:
+        """A committed attempt: True when it makes the spend unknowable from now on (a reply without
+        a cost and no prices), which stops the run: no new row starts."""
+        if self.priced or self.unpriced_reply or not (unpriced_requests or error_class == UNPRICED):
+            return False
+        self.reached = self.unmeasurable = self.unpriced_reply = True
+        return True
 
     def expected_in_flight(self) -> float:
         return len(self.started) * (self.spend.mean_attempt_cost() or 0.0)
@@ -125,6 +134,10 @@ class Budget:
 
     def stop_message(self, scope: str, forecast_high: float | None = None) -> str:
         spent = self.spend.budget_cost()
+        if self.unpriced_reply:
+            return (f"💸 Stopped: {UNPRICED_REASON}.\n   To continue: run again with --resume and "
+                    "--price_input_per_mtok / --price_output_per_mtok (USD per million tokens; a cost the endpoint "
+                    "reports still wins).")
         if spent is None:
             return ("💸 Stopped: the endpoint reported no cost for the committed attempts, so --max_cost could not be "
                     "enforced.\n   To continue: run again with --resume and --price_input_per_mtok / "

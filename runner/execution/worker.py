@@ -29,6 +29,7 @@ from agent.types import ProviderError
 from agent.usage import Usage
 from runner.execution.group_signals import CANCEL_SIGNAL, shield
 from runner.input.config import RunConfig
+from runner.input.secrets import register_config
 from tools.environments.base import SandboxError, become_subreaper, kill_orphans
 from runner.storage.records import FailedRecord, Metadata, OkRecord, UsageRecord, as_dict, dropped_lines, note_lines
 from runner.execution.task import Task
@@ -45,6 +46,7 @@ class WorkerRuntime:
         self.config = config
         self.unavailable = unavailable
         self.log = log or (lambda text: None)
+        register_config(config)  # this process redacts too: tool output is cut here, before its commit
         if config.model == "mock":
             from agent.mock_model import MockModelClient
 
@@ -59,6 +61,7 @@ class WorkerRuntime:
                                      if config.max_requests_per_minute else None),
                 policy=RetryPolicy(request_timeout=config.request_timeout),
                 prompt_caching=config.prompt_caching,
+                stop_after_unpriced=config.max_cost is not None and config.request_prices is None,
             )
         # Set by the worker process: each request's usage goes to the parent as it completes
         # (report_usage(row key, CallStats)), and under a budget the parent admits each request.
@@ -263,7 +266,9 @@ async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
             **common,
         ))
     except ProviderError as err:
-        return failed_record(task, config, _message(err), err.error_class, started=started, session=session, **offered)
+        dropped = dropped_lines(getattr(err, "dropped_replies", []))  # ModelMisbehaved: the replies it sent
+        return failed_record(task, config, _message(err), err.error_class, started=started, session=session,
+                             dropped_replies=dropped, **offered)
     except SandboxError as err:
         return failed_record(task, config, f"environment: {_message(err)}", "environment", started=started,
                              session=session, **offered)

@@ -90,14 +90,56 @@ def redact_bytes(data: bytes) -> bytes:
     for pattern in _patterns:
         if pattern in data:
             data = data.replace(pattern, REDACTED.encode())
+    for pattern in _patterns:
+        if pattern.isascii() and b"\\" not in pattern:  # a piece of an escape or of a UTF-8 character
+            data = _without_pieces(data, pattern, REDACTED.encode())  # would leave the line invalid
     return data
 
 
 def redact(text: str) -> str:
-    for value in sorted(_known, key=len, reverse=True):  # a key that contains another goes first
+    """The text with every known secret replaced, and every long piece of one (what a cut left)."""
+    values = sorted(_known, key=len, reverse=True)  # a key that contains another goes first
+    for value in values:
         if value in text:
             text = text.replace(value, REDACTED)
+    for value in values:
+        text = _without_pieces(text, value, REDACTED)
     return text
+
+
+def _without_pieces(data, secret, replacement):
+    """`data` (str or bytes) with every run of at least half of `secret` (and MIN_SECRET_LENGTH)
+    consecutive characters of it replaced: what a truncation leaves of a key (its head, its tail)
+    still gives most of it away.
+
+    Each such run holds one of the secret's aligned blocks of a quarter of its length whole, so
+    only those few blocks are searched for; each hit is grown both ways while it matches."""
+    least = max(MIN_SECRET_LENGTH, (len(secret) + 1) // 2)
+    if len(secret) <= least:
+        return data
+    block = least // 2
+    spans = []
+    for start in range(0, len(secret) - block + 1, block):
+        piece = secret[start:start + block]
+        at = data.find(piece)
+        while at != -1:
+            left, right, first, last = at, at + block, start, start + block
+            while left > 0 and first > 0 and data[left - 1:left] == secret[first - 1:first]:
+                left, first = left - 1, first - 1
+            while right < len(data) and last < len(secret) and data[right:right + 1] == secret[last:last + 1]:
+                right, last = right + 1, last + 1
+            if right - left >= least:
+                spans.append((left, right))
+            at = data.find(piece, at + 1)
+    merged: list[list[int]] = []
+    for left, right in sorted(spans):
+        if merged and left <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], right)
+        else:
+            merged.append([left, right])
+    for left, right in reversed(merged):  # from the end, so earlier offsets hold
+        data = data[:left] + replacement + data[right:]
+    return data
 
 
 def protect_process_secrets() -> None:

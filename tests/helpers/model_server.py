@@ -68,19 +68,23 @@ class Reply:
     latency: float | None = None  # overrides the conversation/server latency
     hang: bool = False  # never answer (until the server stops)
     close: bool = False  # close the connection without answering
+    drip: float = 0.0  # send the body one byte every `drip` seconds
+    endless: bool = False  # an event stream that never ends (until the server stops)
 
 
 @dataclass
 class Fault:
     """A request-level fault covering ``times`` consecutive requests."""
 
-    kind: str  # "fail" | "malformed" | "empty_choices" | "hang" | "close"
+    kind: str  # "fail" | "malformed" | "empty_choices" | "hang" | "close" | "html" | "drip" | "endless"
+    #          | "huge" | "gzip_bomb"
     times: float
     status: int = 200
     retry_after: str | None = None
     reset: str | None = None
     message: str | None = None
     code: str | None = None  # error.code of the body (default: the status)
+    size: float = 0.0  # drip: seconds per byte; huge, gzip_bomb: megabytes of (decoded) body
 
 
 @dataclass
@@ -91,6 +95,7 @@ class Directives:
     faults: list[Fault] = field(default_factory=list)  # applied in line order
     latency: float | None = None
     finish_length: bool = False
+    summary_length: bool = False  # a request with tool_choice "none" (the turn-limit summary) is cut
     unknown_tool: int = 0
     bad_args: int = 0
     think_only: int = 0
@@ -160,6 +165,8 @@ def parse_directives(text: str) -> Directives:
             d.latency = float(args[0])
         elif name == "finish" and args and args[0] == "length":
             d.finish_length = True
+        elif name == "finish" and args and args[0] == "summary_length":
+            d.summary_length = True
         elif name == "unknown_tool":
             d.unknown_tool = _int(args, 0, 1)
         elif name == "bad_args":
@@ -188,6 +195,12 @@ def parse_directives(text: str) -> Directives:
             d.grade_if = rest
         elif name == "grade_bad":
             d.grade_bad = _int(args, 0, 1)
+        elif name == "html":  # a proxy's welcome page, 200 text/html
+            d.faults.append(Fault("html", _int(args, 0, FOREVER)))
+        elif name == "endless":  # an event stream that never ends
+            d.faults.append(Fault("endless", _int(args, 0, FOREVER)))
+        elif name in ("drip", "huge", "gzip_bomb") and args:  # @drip SECONDS_PER_BYTE, @huge MB, @gzip_bomb MB
+            d.faults.append(Fault(name, _int(args, 1, FOREVER), size=float(args[0])))
     return d
 
 
@@ -360,6 +373,16 @@ def fault_reply(body: dict, state: ConversationState) -> Reply | None:
             return Reply(hang=True)
         if fault.kind == "close":
             return Reply(close=True)
+        if fault.kind == "html":
+            return Reply(body=WELCOME_PAGE, headers={"Content-Type": "text/html"})
+        if fault.kind == "endless":
+            return Reply(endless=True)
+        if fault.kind == "drip":
+            return Reply(body=chat_completion(body, "Dripped answer."), drip=fault.size)
+        if fault.kind == "huge":
+            return Reply(body=chat_completion(body, "x" * int(fault.size * 1024 * 1024)))
+        if fault.kind == "gzip_bomb":
+            return Reply(body=gzip_bomb(int(fault.size)), headers={"Content-Encoding": "gzip"})
         if fault.kind == "malformed":
             return Reply(body=b'{"id": "chatcmpl-malformed", "choices": [{"index": 0, "message": ')
         if fault.kind == "empty_choices":
@@ -375,6 +398,21 @@ def fault_reply(body: dict, state: ConversationState) -> Reply | None:
             reply.headers["x-ratelimit-reset-requests"] = fault.reset
         return reply
     return None
+
+
+WELCOME_PAGE = "<!DOCTYPE html>\n<html><head><title>Welcome to nginx!</title></head><body><h1>Welcome</h1></body></html>\n"
+_BOMBS: dict[int, bytes] = {}
+
+
+def gzip_bomb(megabytes: int) -> bytes:
+    """A small gzip body that decodes to `megabytes` MB of JSON-looking text (cached per size)."""
+    if megabytes not in _BOMBS:
+        packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+        block = b"x" * (1024 * 1024)
+        parts = [packer.compress(b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "')]
+        parts += [packer.compress(block) for _ in range(megabytes)]
+        _BOMBS[megabytes] = b"".join(parts) + packer.flush()
+    return _BOMBS[megabytes]
 
 
 def scripted_policy(body: dict, state: ConversationState) -> Reply:
@@ -441,6 +479,8 @@ def scripted_policy(body: dict, state: ConversationState) -> Reply:
         state.replies += 1
         if d.finish_length and first_reply:
             return reply("This answer was cut off because the model ran out of tok", finish="length")
+        if d.summary_length and tool_choice == "none":
+            return reply("You have used every tool-calling turn to achieve your goal, without using", finish="length")
         if state.empty_served < d.empty:
             state.empty_served += 1
             return reply("", thought=None)
@@ -563,7 +603,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         model = self.server.model
-        if self._key_refused():
+        if self._redirect() or self._welcome_page() or self._key_refused():
             return
         path = self.path.split("?", 1)[0]
         if path in ("/v1/models", "/models"):
@@ -582,7 +622,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         model = self.server.model
-        if self._key_refused():
+        if self._redirect() or self._welcome_page() or self._key_refused():
             return
         body = self._read_json()
         if body is None:
@@ -621,6 +661,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if reply.close:
             self.close_connection = True
             return
+        if reply.endless:
+            self._send_endless_stream()
+            return
         latency = reply.latency
         if latency is None:
             latency = state.directives.latency if state.directives.latency is not None else model.latency
@@ -631,7 +674,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             self._send(200, _as_sse(reply.body, include_usage), reply.headers, "text/event-stream")
         else:
-            self._send(reply.status, reply.body, reply.headers)
+            self._send(reply.status, reply.body, reply.headers, drip=reply.drip)
 
     # -- helpers -------------------------------------------------------------
 
@@ -651,8 +694,44 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _not_found(self, path: str) -> None:
         self._send(404, error_body(404, f"no route for {self.command} {path}"))
 
+    def _send_endless_stream(self) -> None:
+        """200 text/event-stream without a length: one event every 0.2 s until the server stops."""
+        model = self.server.model
+        self.close_connection = True
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            while not model._stopping.wait(0.2):
+                self.wfile.write(b'data: {"choices": [{"index": 0, "delta": {"content": "more"}}]}\n\n')
+                self.wfile.flush()
+        except OSError:
+            pass
+
+    def _welcome_page(self) -> bool:
+        """With ``ModelServer(html=True)``, every request gets a web server's welcome page (recorded)."""
+        model = self.server.model
+        if not model.html:
+            return False
+        if self.command == "POST":
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        model._record(self.path, self.headers, {})
+        self._send(200, WELCOME_PAGE, content_type="text/html")
+        return True
+
+    def _redirect(self) -> bool:
+        """With ``ModelServer(redirect_to=URL)``, every request is answered 307 to URL + its path."""
+        target = self.server.model.redirect_to
+        if target is None:
+            return False
+        if self.command == "POST":
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._send(307, b"", {"Location": target.rstrip("/") + self.path})
+        return True
+
     def _send(self, status: int, body: Any, headers: dict | None = None,
-              content_type: str = "application/json") -> None:
+              content_type: str = "application/json", drip: float = 0.0) -> None:
         if isinstance(body, (dict, list)):
             data = json.dumps(body).encode()
         elif isinstance(body, str):
@@ -661,12 +740,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             data = body or b""
         try:
             self.send_response(status)
-            self.send_header("Content-Type", content_type)
+            headers = dict(headers or {})
+            self.send_header("Content-Type", headers.pop("Content-Type", content_type))
             self.send_header("Content-Length", str(len(data)))
-            for key, value in (headers or {}).items():
+            for key, value in headers.items():
                 self.send_header(key, value)
             self.end_headers()
-            self.wfile.write(data)
+            if not drip:
+                self.wfile.write(data)
+            for i in range(len(data) if drip else 0):
+                if self.server.model._stopping.wait(drip):
+                    break
+                self.wfile.write(data[i:i + 1])
+                self.wfile.flush()
         except OSError:
             self.close_connection = True
 
@@ -698,8 +784,11 @@ class ModelServer:
     """An OpenAI-compatible server on 127.0.0.1, run in a background thread."""
 
     def __init__(self, latency: float = 0.0, policy: Policy | None = None, record: bool = True,
-                 host: str = "127.0.0.1", port: int = 0, model: str = "mock-model", api_key: str | None = None):
+                 host: str = "127.0.0.1", port: int = 0, model: str = "mock-model", api_key: str | None = None,
+                 redirect_to: str | None = None, html: bool = False):
         self.api_key = api_key  # when set, requests without it get a 401
+        self.redirect_to = redirect_to  # when set, every request is answered 307 to this URL + its path
+        self.html = html  # when set, every request is answered 200 with a web server's welcome page
         self.latency = latency
         self.policy = policy
         self.record = record

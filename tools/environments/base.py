@@ -19,6 +19,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
+from runner.input.secrets import redact
+
 if TYPE_CHECKING:
     from tools.settings import ToolSettings
 
@@ -79,9 +81,11 @@ def quote(path: str) -> str:
 
 
 def truncate_output(text: str, limit: int) -> str:
-    """Keep the head and the tail of very long output: errors are usually at the end."""
+    """Keep the head and the tail of very long output: errors are usually at the end. Known keys are
+    redacted first: a key the cut went through would leave a piece no later redaction recognises."""
     if len(text) <= limit:
         return text
+    text = redact(text)
     head = limit * 2 // 5
     tail = limit - head
     omitted = len(text) - head - tail

@@ -16,6 +16,7 @@ from runner.output.status import LiveSpend, forecast
 from tests.conftest import read_jsonl, run_cli, write_jsonl
 
 COST = 0.0001  # the scripted server's usage.cost of every reply
+TERMINAL = '@tool terminal {"command": "echo hi"}\n'
 
 
 # ---------------------------------------------------------------- units
@@ -62,19 +63,17 @@ def test_call_stats_by_model_and_unknown_is_never_zero():
 
 def test_cost_flags_are_checked():
     with pytest.raises(ValueError, match="go together"):
-        cost_options({"price_input_per_mtok": 3}, "m", "http://127.0.0.1:1/v1")
-    with pytest.raises(ValueError, match="not known to report"):
-        cost_options({"max_cost": 5}, "m", "http://127.0.0.1:1/v1")
+        cost_options({"price_input_per_mtok": 3}, "m")
     with pytest.raises(ValueError, match="positive"):
-        cost_options({"max_cost": 0, "price_input_per_mtok": 1, "price_output_per_mtok": 1}, "m", None)
+        cost_options({"max_cost": 0, "price_input_per_mtok": 1, "price_output_per_mtok": 1}, "m")
     with pytest.raises(ValueError, match=">= 0"):
-        cost_options({"price_input_per_mtok": -1, "price_output_per_mtok": 1}, "m", None)
+        cost_options({"price_input_per_mtok": -1, "price_output_per_mtok": 1}, "m")
     with pytest.raises(ValueError, match="needs --max_cost"):
-        cost_options({"max_cost_hard": True}, "m", None)
-    # OpenRouter reports every request's cost; the offline model is free
-    assert cost_options({"max_cost": 5}, "m", "https://openrouter.ai/api/v1")["max_cost"] == 5.0
-    assert cost_options({"max_cost": 5}, "mock", None)["prices"] is None
-    options = cost_options({"price_input_per_mtok": 0, "price_output_per_mtok": 2, "max_cost": 1}, "m", "http://x")
+        cost_options({"max_cost_hard": True}, "m")
+    # Without prices a budget starts whatever the endpoint: its replies say whether it reports costs
+    assert cost_options({"max_cost": 5}, "m")["max_cost"] == 5.0
+    assert cost_options({"max_cost": 5}, "mock")["prices"] is None
+    options = cost_options({"price_input_per_mtok": 0, "price_output_per_mtok": 2, "max_cost": 1}, "m")
     assert options["prices"] == Prices(input_per_mtok=0, output_per_mtok=2)
 
 
@@ -214,10 +213,31 @@ def test_hard_budget_cancels_rows_in_flight(tmp_path, model_server):
     assert len(keys) == len(set(keys)) == 6
 
 
-def test_max_cost_without_a_way_to_price_refuses_to_start(tmp_path, model_server):
-    proc = run_cli(_args(tmp_path, model_server, [{"prompt": "hi"}], "--max_cost=1"), tmp_path)
-    assert proc.returncode == 1 and "--price_input_per_mtok" in proc.stderr
-    assert not model_server.requests and not (tmp_path / "data" / "r").exists()
+def test_max_cost_without_prices_runs_on_an_endpoint_that_reports_its_costs(tmp_path, model_server):
+    rows = [{"prompt": f"Answer {i}."} for i in range(3)] + [{"prompt": "@cost none\n@cost_header 0.0002\nLiteLLM."}]
+    proc = run_cli(_args(tmp_path, model_server, rows, "--max_cost=1", "--num_workers=1"), tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # usage.cost and LiteLLM's header both count
+    assert _spent(tmp_path / "data" / "r") == pytest.approx(3 * COST + 0.0002)
+
+
+def test_max_cost_stops_before_the_next_request_once_a_reply_has_no_cost(tmp_path, model_server):
+    rows = [{"prompt": "Priced 0."}, {"prompt": TERMINAL + "@cost none\nUnpriced."}]
+    rows += [{"prompt": f"Priced {i}."} for i in range(1, 6)]
+    args = _args(tmp_path, model_server, rows, "--max_cost=1", "--num_workers=1")
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "a reply came without a cost" in proc.stderr and "--resume" in proc.stderr
+    assert len(model_server.requests_for("Unpriced.")) == 1  # its second request (after the tool) was not sent
+    assert model_server.requests_for("Priced 1.") == []  # nor any row after it
+    lines = _lines(tmp_path / "data" / "r")
+    (unpriced,) = [r for r in lines if r.get("failed")]
+    assert unpriced["error_class"] == "unpriced" and unpriced["metadata"]["usage"]["unpriced_requests"] == 1
+    status = json.loads((tmp_path / "data" / "r" / "status.json").read_text())
+    assert status["state"] == "stopped_budget"
+
+    proc = run_cli(args + ["--resume", "--price_input_per_mtok=1", "--price_output_per_mtok=1"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == 7
 
 
 def test_tokens_are_priced_when_the_endpoint_reports_no_cost(tmp_path, model_server):

@@ -171,3 +171,33 @@ def test_a_key_no_http_header_can_carry_is_refused_at_start_without_printing_it(
     assert key not in console and "caf\u00e9" not in console and "Traceback" not in console
     assert not model_server.requests_for("Key row.")
     assert not (tmp_path / "data" / "r").exists()
+
+
+def test_a_key_cut_by_the_output_truncation_leaves_no_piece_of_it(model_server, tmp_path):
+    """A command prints a key where the head of the kept output ends and another where its tail
+    begins: the output is redacted before it is cut, so neither cut copy survives."""
+    from tests.conftest import SECRET_KEY
+
+    text = f"'a'*19980 + '{SECRET_KEY}' + 'b'*20000 + '{SECRET_KEY}' + 'c'*29980"
+    command = json.dumps({"command": f'python3 -c "print({text})"'})
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"@tool terminal {command}\nPrint it."}])
+    proc = run_cli([f"--dataset_file={dataset}", "--run_name=cut", "--batch_size=5", "--distribution=terminal_only",
+                    "--keep_no_reasoning", "--model=m", f"--base_url={model_server.base_url}",
+                    f"--api_key={SECRET_KEY}"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = read_jsonl(tmp_path / "data" / "cut" / "trajectories.jsonl")
+    (output,) = _tool_outputs(row)
+    assert "characters omitted" in output and output.count("[REDACTED]") == 2
+    written = _everything_written(tmp_path / "data")
+    assert SECRET_KEY[:13] not in written and SECRET_KEY[-13:] not in written
+
+
+def test_long_pieces_of_a_key_are_redacted_short_ones_are_not():
+    from runner.input import secrets
+
+    key = "sk-piece-" + uuid.uuid4().hex
+    secrets.register(key)
+    text = f"head {key[:30]}| tail |{key[-30:]} middle {key[5:35]} short {key[:12]}"
+    assert secrets.redact(text) == f"head [REDACTED]| tail |[REDACTED] middle [REDACTED] short {key[:12]}"
+    line = secrets.redact_bytes(json.dumps({"out": text}).encode())
+    assert json.loads(line)["out"] == secrets.redact(text)
