@@ -1089,7 +1089,7 @@ class BatchRunner:
             if problem:
                 raise UsageError(f"{problem}; nothing was started")
 
-    def _repeated_failure(self, cls: str | None, error: str, usage: dict | None = None) -> str | None:
+    def _repeated_failure(self, cls: str | None, error: str, usage: Any = None) -> str | None:
         """Why the run must stop when the same failure comes back row after row, else None: every
         row of a recent window failed to connect, had its first reply cut at --max_tokens, or had
         every request fail the same way (the endpoint is not the API it should be)."""
@@ -1133,7 +1133,7 @@ class BatchRunner:
                 self._passed[row] = self._passed.get(row, 0) + 1
             index = record["prompt_index"]
             repeated = self._repeated_failure(record.get("error_class") if outcome == "failed" else None,
-                                              record.get("error") or "", record["metadata"].get("usage"))
+                                              record.get("error") or "", fields.usage)
             if outcome == "failed":
                 cls = record.get("error_class")
                 self.log(f"   ❌ Prompt {index} failed ({cls}): {record['error']}")  # the cause whole
@@ -1227,11 +1227,10 @@ def every_request_failed_as(error: str) -> str | None:
     return None
 
 
-def _no_request_succeeded(usage: dict | None) -> bool:
-    """Every request of the attempt failed: all but the first were retries (a failed row whose
-    model answered some request says nothing about the endpoint as a whole)."""
-    usage = usage or {}
-    return int(usage.get("requests") or 0) - int(usage.get("retries") or 0) <= 1
+def _no_request_succeeded(usage: Any) -> bool:
+    """Every request of the attempt (an agent.usage.Usage) failed: all but the first were retries
+    (a failed row whose model answered some request says nothing about the endpoint as a whole)."""
+    return usage is not None and usage.requests - usage.retries <= 1
 
 
 def cli(argv: list[str] | None = None) -> None:

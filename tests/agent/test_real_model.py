@@ -264,3 +264,39 @@ def test_a_model_without_reasoning_is_named_and_its_rows_kept_on_resume_with_no_
     assert resumed.returncode in (0, 2), resumed.stdout + resumed.stderr
     kept = read_jsonl(run_dir / "trajectories.jsonl")
     assert sorted(t["prompt_index"] for t in kept) == sorted(row["prompt_index"] for row in done)
+
+
+def test_a_turn_limit_summary_cut_at_the_length_limit_is_marked_not_kept(real_model_server, tmp_path):
+    """One tool-calling turn, then the summary request with --max_tokens=5: the server honours
+    max_tokens when tool_choice is "none" (it ignores it while tools may be called), so the summary
+    comes back cut (finish_reason "length"). Such a row is partial and says so; the cut text is not
+    saved as the model's final answer."""
+    proxy = RecordingProxy(real_model_server.base_url)
+    proxy.start()
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in TERMINAL_PROMPTS])
+    try:
+        result = run_cli(["--dataset_file=prompts.jsonl", "--batch_size=4", "--run_name=cut",
+                          f"--base_url={proxy.base_url}", f"--model={MODEL_ALIAS}", "--distribution=terminal_only",
+                          "--keep_no_reasoning", "--max_turns=1", "--max_tokens=5", "--num_workers=1",
+                          "--num_processes=1", "--seed=1", "--command_timeout=20", "--request_timeout=300"],
+                         cwd=tmp_path, timeout=1200)
+    finally:
+        proxy.stop()
+    assert result.returncode in (0, 2), result.stdout[-3000:] + result.stderr[-3000:]
+    cut = {}  # prompt -> the cut summary text the server sent
+    for exchange in proxy.chat_exchanges():
+        request, reply = exchange["request"], exchange["reply"]
+        if request.get("tool_choice") == "none" and isinstance(reply, dict) and reply.get("choices"):
+            choice = reply["choices"][0]
+            if choice.get("finish_reason") == "length":
+                first_user = next(m["content"] for m in request["messages"] if m["role"] == "user")
+                cut[first_user] = choice["message"].get("content") or ""
+    assert cut, "no turn-limit summary came back cut at the length limit"
+    rows = {r["conversations"][1]["value"]: r for r in read_jsonl(tmp_path / "data" / "cut" / "trajectories.jsonl")}
+    kept = [(rows[prompt], text) for prompt, text in cut.items() if prompt in rows]  # others failed: no turn kept
+    assert kept, f"no kept row had its summary cut: {result.stdout[-2000:]}"
+    for row, text in kept:
+        assert row["partial"] and not row["completed"], row["metadata"]
+        assert row["metadata"]["stop_reason"] == "response truncated at the output length limit"
+        assert "turn-limit summary: cut at the output length limit" in row["metadata"]["dropped_replies"]
+        assert not any(t["from"] == "gpt" and text.strip() and text.strip() in t["value"] for t in row["conversations"])
