@@ -1218,12 +1218,14 @@ def every_request_failed_as(error: str) -> str | None:
     if ANSWERS_HTML in error:
         return ANSWERS_HTML.removeprefix("the endpoint ")
     status = re.match(r"HTTP (\d{3})\b", error)
-    if status:
+    if status and status.group(1) not in ("400", "413", "422"):  # those refuse a row's own request (too long, ...)
         return f"gives HTTP {status.group(1)} to every request"
     if error.startswith("malformed response"):
         return "gives a malformed reply to every request"
     if error.startswith("request timed out"):
         return "answers no request within --request_timeout"
+    if error.startswith("the reply is larger than"):
+        return "sends replies larger than a model reply may be"
     return None
 
 

@@ -187,3 +187,15 @@ def test_a_reported_cost_that_is_no_amount_is_unknown_not_a_number_to_sum():
     # A body cost that is no amount does not hide a good header, and never raises.
     assert reported_cost({"cost": "abc"}, {"x-litellm-response-cost": "0.002"}) == 0.002
     assert reported_cost({"cost": None}, {"x-litellm-response-cost": "nan"}) is None
+
+
+def test_the_key_follows_a_redirect_only_within_its_origin():
+    from agent.model_client import _same_origin
+
+    assert _same_origin("http://h:8000/v1/models", "http://h:8000/v1/models/")
+    assert _same_origin("http://h/v1", "https://h/v1")  # an upgrade on the same host
+    assert _same_origin("https://H/v1", "https://h:443/x")
+    assert not _same_origin("https://h/v1", "http://h/v1")  # never from https to http
+    assert not _same_origin("http://127.0.0.1:8000/v1", "http://127.0.0.2:8000/v1")
+    assert not _same_origin("http://h:8000/v1", "http://h:8001/v1")
+    assert not _same_origin("http://h:8000/v1", "https://h:8443/v1")

@@ -266,6 +266,7 @@ def test_a_model_without_reasoning_is_named_and_its_rows_kept_on_resume_with_no_
     assert sorted(t["prompt_index"] for t in kept) == sorted(row["prompt_index"] for row in done)
 
 
+@pytest.mark.timeout(1500)  # two rows of two requests each, on a server that runs one at a time
 def test_a_turn_limit_summary_cut_at_the_length_limit_is_marked_not_kept(real_model_server, tmp_path):
     """One tool-calling turn, then the summary request with --max_tokens=5: the server honours
     max_tokens when tool_choice is "none" (it ignores it while tools may be called), so the summary
@@ -273,7 +274,7 @@ def test_a_turn_limit_summary_cut_at_the_length_limit_is_marked_not_kept(real_mo
     saved as the model's final answer."""
     proxy = RecordingProxy(real_model_server.base_url)
     proxy.start()
-    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in TERMINAL_PROMPTS])
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in TERMINAL_PROMPTS[:2]])
     try:
         result = run_cli(["--dataset_file=prompts.jsonl", "--batch_size=4", "--run_name=cut",
                           f"--base_url={proxy.base_url}", f"--model={MODEL_ALIAS}", "--distribution=terminal_only",
