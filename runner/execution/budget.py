@@ -68,10 +68,9 @@ def cost_options(flags: dict, model: str) -> dict:
 class Budget:
     """Decides, from the live spend figures, whether a row may start and whether to cancel."""
 
-    def __init__(self, limit: float, hard: bool, spend, priced: bool = False):
+    def __init__(self, limit: float, hard: bool, spend):
         self.limit = limit
         self.hard = hard
-        self.priced = priced  # prices were given: a reply without a reported cost is priced from its tokens
         self.spend = spend  # runner.output.status.LiveSpend: committed spend in the budget's scope
         self.started: dict[str, float] = {}  # row key -> monotonic start, of the rows in flight
         self.reached = False  # the budget stopped the run from starting rows
@@ -86,10 +85,10 @@ class Budget:
     def on_commit(self, key: str) -> None:
         self.started.pop(key, None)
 
-    def on_usage(self, unpriced_requests: int, error_class: str | None = None) -> bool:
-        """A committed attempt: True when it makes the spend unknowable from now on (a reply without
-        a cost and no prices), which stops the run: no new row starts."""
-        if self.priced or self.unpriced_reply or not (unpriced_requests or error_class == UNPRICED):
+    def on_failure(self, error_class: str | None) -> bool:
+        """A committed failed attempt: True when it says a reply came without a cost and no prices
+        were given (its worker then sent nothing more: class UNPRICED), which stops the run."""
+        if self.unpriced_reply or error_class != UNPRICED:
             return False
         self.reached = self.unmeasurable = self.unpriced_reply = True
         return True
@@ -110,6 +109,8 @@ class Budget:
         """May a row in flight send another model request? False once the spend known so far (the
         replies that came, in every worker) reaches the limit: from then on only the requests
         already sent can go past it."""
+        if self.unpriced_reply:
+            return False
         spent = self.spend.budget_cost()
         if spent is not None and spent >= self.limit:
             self.reached = True

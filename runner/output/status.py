@@ -267,7 +267,7 @@ class RunMonitor:
             self.counts[fields.outcome] += 1
             if self.budget is not None and fields.key in self.budget.started:
                 self.budget.on_commit(fields.key)
-            if self.budget is not None and self.budget.on_usage(fields.usage.unpriced_requests, fields.error_class):
+            if self.budget is not None and self.budget.on_failure(fields.error_class):
                 self.log("💸 A reply came without a cost and no prices were given, so --max_cost cannot be "
                          "enforced: no new rows start (give --price_input_per_mtok and --price_output_per_mtok)")
         if self._next_line is None and records:
