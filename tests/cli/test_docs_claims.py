@@ -114,3 +114,9 @@ def test_the_python_api_page_names_the_original_keywords_and_their_defaults():
         assert f"`{name}`" in listed, name
         if isinstance(default, (int, str)) and not isinstance(default, bool) and default != "":
             assert f"`{name}` (`{default}`" in listed or f"`{name}` ({default})" in listed, (name, default)
+
+
+def test_the_readme_links_every_docs_page():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for page in sorted((REPO / "docs").glob("*.md")):
+        assert f"](docs/{page.name})" in readme, f"docs/{page.name} is not listed in the README (Where to read more)"
