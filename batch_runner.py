@@ -848,8 +848,13 @@ class BatchRunner:
         units = self._units(scan)[0]
         kept = sum(1 for key in units if store.outcome(key) == "ok")
         budget = Budget(config.max_cost, config.max_cost_hard, spend) if config.max_cost is not None else None
-        return RunMonitor(self.run_dir, config.run_name, total_rows=len(units), finished_before=done, kept_before=kept,
-                          to_run=remaining, spend=spend, budget=budget, budget_limit=config.max_cost, log=self.log)
+        monitor = RunMonitor(self.run_dir, config.run_name, total_rows=len(units), finished_before=done,
+                             kept_before=kept, to_run=remaining, spend=spend, budget=budget,
+                             budget_limit=config.max_cost, log=self.log)
+        from runner.storage.runview import Selection
+
+        monitor.selection = Selection.of(config)
+        return monitor
 
     def _final_dataset(self, scan):
         """The dataset as it is now: rows appended (or edited) during the run belong to the merge."""

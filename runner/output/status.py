@@ -25,6 +25,7 @@ from pathlib import Path
 
 
 from agent.usage import Spend, Usage
+from runner.storage.runview import Selection, quality_outcome
 from runner.storage.records import fields_of
 from runner.storage.runfiles import append_status_history, write_status
 
@@ -233,6 +234,7 @@ class RunMonitor:
         self.started_at = datetime.now(timezone.utc)
         self.t0 = clock()
         self.counts = {"ok": 0, "discarded": 0, "failed": 0}
+        self.selection = Selection()  # the quality filters, applied to the live counts as the merge does
         self.in_flight = 0
         self._next_status = 0.0
         self._next_line: float | None = None  # set by the first commit
@@ -264,7 +266,7 @@ class RunMonitor:
             fields = fields_of(record)
             self.spend.settle(fields.key)
             self.spend.add(fields.usage, fields.duration or 0.0)
-            self.counts[fields.outcome] += 1
+            self.counts[quality_outcome(record, fields.outcome, self.selection)] += 1
             if self.budget is not None and fields.key in self.budget.started:
                 self.budget.on_commit(fields.key)
             if self.budget is not None and self.budget.on_failure(fields.error_class):

@@ -139,6 +139,8 @@ def test_a_model_without_reasoning_is_said_early_and_kept_later_with_no_new_requ
     stats = json.loads((run / "statistics.json").read_text())
     assert stats["discarded_statistics"]["tool_statistics"]["terminal"]["count"] == 6
     assert stats["spend"]["discarded"]["requests"] == 12
+    live = json.loads((run / "status.json").read_text())["rows"]  # the live counts apply the filter too
+    assert (live["kept"], live["discarded"]) == (0, 6)
 
     before = model_server.count()
     proc = run_cli(["--report", "--run_name=r", "--keep_no_reasoning"], tmp_path)
