@@ -36,9 +36,17 @@ REASONING_EFFORTS = get_args(ReasoningEffort)
 PROVIDER_SORTS = get_args(ProviderSort)
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
+# The run folder's name, with room left in a file system's 255-byte name limit for what is derived
+# from it (a temp file beside the folder, container and task names).
+RUN_NAME_MAX = 128
+
+
 def _check_run_name(value: str) -> str:
     if not value:
         raise ValueError("--run_name is required")
+    if len(value) > RUN_NAME_MAX:
+        raise ValueError(f"--run_name is {len(value)} characters long: at most {RUN_NAME_MAX} are allowed (it names "
+                         "a folder inside the output directory)")
     if not _RUN_NAME.match(value):  # (this also refuses "." and "..")
         raise ValueError(
             f"--run_name={value!r} is not allowed: use letters, digits, '.', '_' and '-' (it names a folder "
@@ -56,7 +64,7 @@ class RunConfig(BaseModel):
     dataset_file: str = flag(group=ORIGINAL, help="Input JSONL, one object with a 'prompt' per line.")
     run_name: RunName = flag(
         group=ORIGINAL, help="Output folder <output_dir>/<run_name>/ (letters, digits, '.', '_', '-').",
-        details="Kept as typed (`007` stays `007`); `../x` is refused.")
+        details="At most 128 characters, kept as typed (`007` stays `007`); `../x` is refused.")
     batch_size: StrictInt = flag(
         ge=1, group=ORIGINAL, help="Rows per output file batch_N.jsonl (does not limit parallelism).")
     output_dir: str = flag("data", help="Parent of the run folder.")

@@ -48,6 +48,22 @@ def test_run_name_cannot_leave_output_dir(tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "data").exists()
 
 
+def test_a_run_name_too_long_for_a_folder_is_refused_at_start(tmp_path):
+    """A name the file system cannot hold is a bad name like any other: one line, exit 1, nothing written."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    proc = run_cli([f"--dataset_file={data}", f"--run_name={'a' * 300}", *_mock_run(tmp_path)], tmp_path)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--run_name" in lines[0] and "300 characters" in lines[0], proc.stderr
+    assert "OSError" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "data").exists()
+    longest = "b" * 128  # the longest name allowed runs
+    proc = run_cli([f"--dataset_file={data}", f"--run_name={longest}", "--distribution=minimal",
+                    *_mock_run(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "data" / longest / "trajectories.jsonl").exists()
+
+
 def test_numeric_run_name_works(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Explain rainbows briefly."}])
     proc = run_cli([f"--dataset_file={data}", "--run_name=123", "--distribution=minimal", *_mock_run(tmp_path)], tmp_path)
