@@ -465,6 +465,7 @@ class BatchRunner:
 
     def __init__(self, config=None, *, resume: bool = False, overwrite: bool = False, allow_config_change: bool = False,
                  **original_keywords: Any):
+        self._keywords = original_keywords if config is None else None  # built by the Python API
         if config is None:
             from runner.input.original_api import config_from_original
 
@@ -502,7 +503,18 @@ class BatchRunner:
     # --- the run --------------------------------------------------------------------------
 
     def run(self, resume: bool | None = None) -> int:
-        """Run (or, with resume=True, continue) the run; returns the exit code (0 every row done)."""
+        """Run (or, with resume=True, continue) the run; returns the exit code (0 every row done).
+        Bad input raises UsageError; built from keywords, its message names keywords, not flags."""
+        try:
+            return self._run(resume)
+        except UsageError as err:
+            if self._keywords is None:
+                raise
+            from runner.input.original_api import keyword_message
+
+            raise UsageError(keyword_message(str(err), self._keywords)) from None
+
+    def _run(self, resume: bool | None) -> int:
         _refuse_run_while_a_worker_imports_the_script()
         if resume is not None:
             self.resume = bool(resume)

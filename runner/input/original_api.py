@@ -9,7 +9,8 @@ RunConfig through the same validation as the command line. Our own flags (`outpu
 
 from __future__ import annotations
 
-import inspect
+import difflib
+import re
 from typing import Any
 
 # The original constructor's parameters and defaults.
@@ -36,23 +37,64 @@ ORIGINAL_DEFAULTS: dict[str, Any] = {
     "prefill_messages": None,
     "max_samples": None,
 }
-# CLI-only switches that make no sense on a constructor (run() and its resume take their place).
-_NOT_CONSTRUCTOR = {"list_distributions", "report", "resume", "overwrite", "allow_config_change"}
+# The original's keywords and ours that set the same thing.
+_SPELLINGS = (("max_iterations", "max_turns"), ("reasoning_config", "reasoning_effort"),
+              ("reasoning_config", "reasoning_disabled"), ("prefill_messages", "prefill_messages_file"))
 
 
 def config_from_original(keywords: dict[str, Any]):
-    """A RunConfig from the original constructor's keywords (plus any of our flags)."""
+    """A RunConfig from the original constructor's keywords (plus any of our flags). A bad keyword
+    or value raises as the CLI would, in the keywords' words (`batch_size`, not `--batch_size`)."""
     import batch_runner
 
-    cli_flags = set(inspect.signature(batch_runner.main).parameters)
-    unknown = sorted(set(keywords) - set(ORIGINAL_DEFAULTS) - (cli_flags - _NOT_CONSTRUCTOR))
+    try:
+        return _config(keywords)
+    except batch_runner.UsageError as err:
+        raise batch_runner.UsageError(keyword_message(str(err), keywords)) from None
+
+
+def keyword_message(text: str, keywords: dict[str, Any]) -> str:
+    """A CLI message in the Python API's words: `--flag=` is `flag=`, an on/off `--flag` is
+    `flag=True`, any other `--flag` is `flag`; the flags named after another keyword take its name
+    (max_turns is the original's max_iterations)."""
+    from runner.input.flags import FLAG_NAMES, bool_flags
+
+    renamed = {ours: original for original, ours in _SPELLINGS if original in keywords and ours not in keywords}
+    switches = bool_flags()
+
+    def keyword(match: re.Match) -> str:
+        name, assigned = match.group(1), match.group(2)
+        if name not in FLAG_NAMES:
+            return match.group(0)
+        shown = renamed.get(name, name)
+        return f"{shown}=" if assigned else (f"{shown}=True" if name in switches else shown)
+
+    return re.sub(r"--([a-z][a-z0-9_]*)(=)?", keyword, text)
+
+
+def _unknown_keywords(unknown: list[str], known: set[str]) -> TypeError:
+    """Python's own message for an unexpected keyword, with the CLI's suggestion of the closest one."""
+    if len(unknown) > 1:
+        return TypeError(f"BatchRunner() got unexpected keyword arguments: {', '.join(map(repr, unknown))}")
+    guess = difflib.get_close_matches(unknown[0], sorted(known), n=1, cutoff=0.6)
+    hint = f"; did you mean {guess[0]}?" if guess else ""
+    return TypeError(f"BatchRunner() got an unexpected keyword argument {unknown[0]!r}{hint}")
+
+
+def _config(keywords: dict[str, Any]):
+    import batch_runner
+
+    from runner.input.flags import FLAGS
+
+    # Not the command flags (--resume, --report, ...): run() and its resume take their place.
+    known = set(ORIGINAL_DEFAULTS) | {flag.name for flag in FLAGS if flag.section != "command"}
+    unknown = sorted(set(keywords) - known)
     if unknown:
-        raise TypeError(f"BatchRunner() got unexpected keyword argument(s): {', '.join(unknown)}")
+        raise _unknown_keywords(unknown, known)
     given = {**ORIGINAL_DEFAULTS, **keywords}
     if given.pop("openrouter_min_coding_score") is not None:
         raise batch_runner.UsageError("openrouter_min_coding_score is not supported (no pareto-router plugin)")
-    for original, ours in (("max_iterations", "max_turns"), ("reasoning_config", "reasoning_effort"),
-                           ("reasoning_config", "reasoning_disabled"), ("prefill_messages", "prefill_messages_file")):
+    for original, ours in _SPELLINGS:
         if keywords.get(original) is not None and keywords.get(ours) is not None:
             # Two spellings of one setting: which one wins would be a guess, so neither does.
             raise batch_runner.UsageError(f"BatchRunner() got both {original} and {ours}: they set the same "

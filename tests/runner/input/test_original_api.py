@@ -72,7 +72,7 @@ def test_original_defaults_and_bad_keywords(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "DEFAULTS claude-opus-4-20250514 10 4 https://openrouter.ai/api/v1 default" in proc.stdout
     assert "OURS elsewhere/r 3" in proc.stdout
-    assert "TYPEERROR BatchRunner() got unexpected keyword argument(s): max_turns_typo" in proc.stdout
+    assert "TYPEERROR BatchRunner() got an unexpected keyword argument 'max_turns_typo'; did you mean max_turns?" in proc.stdout
 
 
 def test_our_flags_as_keywords_reach_the_request(tmp_path, model_server):
@@ -126,3 +126,35 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
     assert 'if __name__ == "__main__":' in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_a_misspelt_keyword_is_named_with_the_closest_one_and_errors_name_keywords(tmp_path):
+    """The Python API speaks keywords: a typo gets the CLI's suggestion, and a bad value's message
+    names the keyword it was given as, not the command line's --flag."""
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}, "not an object"])
+    proc = _script(tmp_path, """
+        attempts = (
+            dict(dataset_file="d.jsonl", batch_size=2, run_name="r", model="mock", max_iteration=3),
+            dict(dataset_file="d.jsonl", batch_size=2, run_name="r", model="mock", num_worker=2),
+            dict(dataset_file="d.jsonl", batch_size=0, run_name="r", model="mock"),
+            dict(dataset_file="d.jsonl", batch_size=2, run_name="r", model="mock", max_iterations=0),
+            dict(dataset_file="d.jsonl", batch_size=2, run_name="r", model="mock", tool_choice="sometimes"),
+        )
+        for keywords in attempts:
+            try:
+                BatchRunner(**keywords)
+            except Exception as err:
+                print("REFUSED", type(err).__name__, err)
+        try:
+            BatchRunner(dataset_file="d.jsonl", batch_size=2, run_name="r", model="mock", distribution="minimal").run()
+        except Exception as err:
+            print("RUN", type(err).__name__, err)
+    """)
+    out = proc.stdout
+    assert "REFUSED TypeError BatchRunner() got an unexpected keyword argument 'max_iteration'; did you mean max_iterations?" in out, out + proc.stderr
+    assert "REFUSED TypeError BatchRunner() got an unexpected keyword argument 'num_worker'; did you mean num_workers?" in out
+    assert "REFUSED UsageError batch_size must be an integer >= 1 (got 0)" in out
+    assert "REFUSED UsageError max_iterations must be an integer >= 1 (got 0)" in out
+    assert "REFUSED UsageError tool_choice must be one of: auto, required, none (got 'sometimes')" in out
+    assert "RUN UsageError d.jsonl: 1 invalid line(s) (listed above); fix them or pass skip_invalid=True to run the valid rows" in out
+    assert "--" not in "".join(line for line in out.splitlines() if line.startswith(("REFUSED", "RUN")))
