@@ -57,9 +57,8 @@ from runner.input.config import Commands
 from runner.input.flags import flag_named, main_signature
 from toolset_distributions import format_distribution_catalogue
 
-EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FATAL_PROVIDER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-EXIT_BUDGET = 4  # stopped at the cost budget (--max_cost): committed rows are kept, resumable
-EXIT_STORAGE = 5  # the run directory cannot be written (disk full, ...): committed rows are safe
+from runner.outcome import (EXIT_BUDGET, EXIT_ERROR, EXIT_FATAL_PROVIDER, EXIT_INCOMPLETE,
+                            EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, Outcome, Stop, decide)
 FATAL_CLASSES = ("auth", "quota")
 _LOOPBACK = re.compile(r"^https?://(localhost|127\.\d+\.\d+\.\d+|\[::1\])(:\d+)?(/|$)")
 
@@ -477,11 +476,9 @@ class BatchRunner:
         self.overwrite = overwrite
         self.allow_config_change = allow_config_change
         self.run_dir = Path(config.output_dir) / config.run_name
-        self.stopping: str | None = None  # why no new prompt is started: interrupted / fatal
-        self.fatal_message: str | None = None
+        self._stop: Stop | None = None  # why no new prompt is started (the first reason; runner/outcome.py)
         self._interrupts = 0
         self._phase = "starting"  # starting -> dispatch -> finishing: what a Ctrl-C interrupts
-        self.stop_message: str | None = None  # why the run stopped early when workers keep dying
         self._bar = None
         self._monitor = None  # runner.output.status.RunMonitor of this invocation
         self._failed_images: dict[str, str] = {}  # image -> why it cannot be used (the backend's check)
@@ -491,6 +488,15 @@ class BatchRunner:
         self._to_run = 0
         self._same_failure: tuple[str | None, int] = (None, 0)  # every_request_failed_as, rows in a row
         self.started_at = datetime.now().isoformat()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop is not None
+
+    def _stop_with(self, kind: str, message: str = "") -> None:
+        """Stop starting rows, for the first reason given (a later one is only logged)."""
+        if self._stop is None:
+            self._stop = Stop(kind, message)
 
     # --- logging that does not tear the progress bar --------------------------------------
 
@@ -766,17 +772,23 @@ class BatchRunner:
         details = report_details()
         units, unit_ids = self._units(scan)
         view = merge_run(self.run_dir, units, self.log, ids=unit_ids, detail=details, selection=Selection.of(config))
-        stats = write_statistics(self.run_dir, build_statistics(
+        stats = build_statistics(
             view, run_name=config.run_name, distribution=config.distribution, total_prompts=scan.rows,
             batch_size=config.batch_size, model=config.model, rows_this_run=rows_this_run,
             run_time=run_time(record_invocation_end(self.run_dir, config.tools.run_id), view, config.tools.run_id),
             fingerprint=config.fingerprint(), samples_per_prompt=config.samples_per_prompt,
-        ))
-        print_summary(stats, self.run_dir, headline=self._headline())
+        )
+        outcomes = stats["outcomes"]
+        outcome = decide(self._stop, budget_reached=self._monitor.budget_reached, failed=outcomes["failed"],
+                         not_run=outcomes["not_run"])
+        stats["outcome"] = outcome.as_dict()
+        write_statistics(self.run_dir, stats)
+        print_summary(stats, self.run_dir, headline=outcome.headline)
         self._write_exports(view)
-        self._monitor.close(self._end_state(stats["outcomes"]))  # before the report, which shows it
+        self._monitor.close(outcome.state)  # before the report, which shows it
         self._write_report(view, stats)
-        code = self._exit_code(stats["outcomes"])
+        self._say_outcome(outcome)
+        code = outcome.exit_code
         if config.compress_to_tokens and not self.stopping:
             code = self._compress(code)
         return code
@@ -801,52 +813,25 @@ class BatchRunner:
         print("\n".join(summary_lines(outcome.summary, compressor.metrics_path)))
         return EXIT_INCOMPLETE if outcome.summary["rows_failed"] and code == EXIT_OK else code
 
-    def _end_state(self, outcomes: dict) -> str:
-        """status.json's last state: the same decision as _exit_code, as a word."""
-        not_done = outcomes["failed"] + outcomes["not_run"]
-        if self.fatal_message:
-            return "stopped_provider"
-        if self.stopping == "interrupted":
-            return "interrupted"
-        if self._monitor.budget_reached and not_done:
-            return "stopped_budget"
-        if self.stopping == "workers":
-            return "stopped_workers"
-        return "incomplete" if not_done else "done"
-
-    def _headline(self) -> str:
-        """What happened to the run, for the summary's title (not 'COMPLETE' after a Ctrl-C)."""
-        if self.stopping == "interrupted":
-            return "BATCH PROCESSING INTERRUPTED (committed rows are safe; --resume finishes the run)"
-        if self.fatal_message or self.stopping:
-            return "BATCH PROCESSING STOPPED EARLY"
-        if self._monitor is not None and self._monitor.budget_reached:
-            return "BATCH PROCESSING STOPPED AT THE COST BUDGET"
-        return "BATCH PROCESSING COMPLETE"
-
-    def _exit_code(self, outcomes: dict) -> int:
-        if self.fatal_message:
-            print(f"\n❌ Stopped early: {self.fatal_message}", file=sys.stderr)
-            return EXIT_FATAL_PROVIDER
-        if self.stopping == "interrupted":
+    def _say_outcome(self, outcome: Outcome) -> None:
+        """The last lines: the spend, and what to do next when the run is not done."""
+        if outcome.exit_code == EXIT_FATAL_PROVIDER:
+            print(f"\n❌ Stopped early: {outcome.message}", file=sys.stderr)
+            return
+        if outcome.kind == "interrupted":
             print("\n⏸️  Interrupted: committed rows are safe; run again with --resume to finish.", file=sys.stderr)
-            return EXIT_INTERRUPTED
+            return
         snapshot = self._monitor.snapshot("done")
         print(f"\n{self._monitor.spend_line(snapshot)}")
-        not_done = outcomes["failed"] + outcomes["not_run"]
-        if self._monitor.budget_reached and not_done:
+        if outcome.kind == "budget":
             outlook = snapshot["forecast"] or {}
             high = outlook.get("total_high_usd") or outlook.get("total_usd")
             print(f"\n{self._monitor.budget.stop_message(self.config.max_cost_scope, high)}", file=sys.stderr)
-            return EXIT_BUDGET
-        if self.stopping == "workers":
-            print(f"\n❌ Stopped early: {self.stop_message}. Committed rows are safe; run again with --resume "
+        elif outcome.kind == "crash_loop":
+            print(f"\n❌ Stopped early: {outcome.message}. Committed rows are safe; run again with --resume "
                   "to finish.", file=sys.stderr)
-            return EXIT_INCOMPLETE
-        if not_done:
-            print(f"\n⚠️  {not_done} row(s) not done; run again with --resume to retry them.")
-            return EXIT_INCOMPLETE
-        return EXIT_OK
+        elif outcome.kind == "failed_rows":
+            print(f"\n⚠️  {outcome.failed + outcome.not_run} row(s) not done; run again with --resume to retry them.")
 
     def _make_monitor(self, scan, store, done: int, remaining: int):
         """Live spend, forecast and status.json for this invocation, with the budget if one is set."""
@@ -1064,8 +1049,8 @@ class BatchRunner:
                     break
                 records = immediate + (executor.poll(0.2) if executor.in_flight() else [])
                 if executor.stop_reason and not self.stopping:
-                    self.stopping, self.stop_message = "workers", executor.stop_reason
-                    self.log(f"⛔ {self.stop_message}: no new prompts will be started.")
+                    self._stop_with("crash_loop", executor.stop_reason)
+                    self.log(f"⛔ {executor.stop_reason}: no new prompts will be started.")
                 if records:
                     store.commit(records)
                     committed += len(records)
@@ -1106,8 +1091,8 @@ class BatchRunner:
             if problem:
                 raise UsageError(f"{problem}; nothing was started")
 
-    def _repeated_failure(self, cls: str | None, error: str, usage: Any = None) -> str | None:
-        """Why the run must stop when the same failure comes back row after row, else None: every
+    def _repeated_failure(self, cls: str | None, error: str, usage: Any = None) -> tuple[str, str] | None:
+        """The stop (kind, cause) when the same failure comes back row after row, else None: every
         row of a recent window failed to connect, had its first reply cut at --max_tokens, or had
         every request fail the same way (the endpoint is not the API it should be)."""
         streaks = self._streaks
@@ -1115,19 +1100,20 @@ class BatchRunner:
             streaks[name] = streaks.get(name, 0) + 1 if cls == name else 0
         window = max(3, min(self.config.num_workers, 8))
         if cls == "connection" and streaks[cls] >= window:
-            return f"the model endpoint cannot be reached: the last {streaks[cls]} rows all failed to connect ({error})"
+            return "endpoint_lost", (f"the model endpoint cannot be reached: the last {streaks[cls]} rows all failed "
+                                     f"to connect ({error})")
         if cls == "truncated" and streaks[cls] >= 3:
             limit = (f"--max_tokens={self.config.max_tokens} is too small for this model (raise it or leave it unset)"
                      if self.config.max_tokens else "the server's default output limit is too small for this model "
                      "(pass a larger --max_tokens)")
-            return (f"configuration error: the first reply of the last {streaks[cls]} rows was cut at the output length "
-                    f"limit; {limit}")
+            return "bad_max_tokens", (f"configuration error: the first reply of the last {streaks[cls]} rows was cut "
+                                      f"at the output length limit; {limit}")
         same = every_request_failed_as(error) if cls == "provider" and _no_request_succeeded(usage) else None
         before, count = self._same_failure
         self._same_failure = (same, count + 1 if same and same == before else 1)
         if same and self._same_failure[1] >= window:
-            return (f"the model endpoint {same}: every request of the last {self._same_failure[1]} rows failed "
-                    f"that way ({error})")
+            return "endpoint_unusable", (f"the model endpoint {same}: every request of the last "
+                                         f"{self._same_failure[1]} rows failed that way ({error})")
         return None
 
     def _after_commit(self, records: list[dict], counts: dict) -> None:
@@ -1154,14 +1140,11 @@ class BatchRunner:
             if outcome == "failed":
                 cls = record.get("error_class")
                 self.log(f"   ❌ Prompt {index} failed ({cls}): {record['error']}")  # the cause whole
-                if repeated and not self.fatal_message:
-                    self.fatal_message = repeated
-                    self.stopping = "fatal"
-                    self.log(f"⛔ {self.fatal_message}\n   No new prompts will be started.")
-                if cls in FATAL_CLASSES and not self.fatal_message:
-                    self.fatal_message = f"the provider refused the request ({cls}): {record['error']}"
-                    self.stopping = "fatal"
-                    self.log(f"⛔ {self.fatal_message}\n   No new prompts will be started.")
+                if cls in FATAL_CLASSES and not repeated:
+                    repeated = ("fatal_provider", f"the provider refused the request ({cls}): {record['error']}")
+                if repeated and not self.stopping:
+                    self._stop_with(*repeated)
+                    self.log(f"⛔ {repeated[1]}\n   No new prompts will be started.")
             elif self.config.verbose:
                 self.log(f"   {'✅' if outcome == 'ok' else '🚫'} Prompt {index} {outcome}: {self._preview(record)}")
         self._bar.set_postfix(counts, refresh=False)
@@ -1208,8 +1191,7 @@ class BatchRunner:
         def on_signal(signum, frame):
             self._interrupts += 1
             if self._interrupts == 1:
-                if not self.stopping:
-                    self.stopping = "interrupted"
+                self._stop_with("interrupted")
                 if self._phase == "dispatch":
                     self.log(
                         f"\n⏸️  Stopping: no new prompts; waiting up to {self.config.grace_period:g}s for "

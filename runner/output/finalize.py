@@ -139,7 +139,8 @@ def print_summary(stats: dict, run_dir: Path, out=print, headline: str = "BATCH 
         out(f"⚠️  0 of {outcomes['discarded'] + outcomes.get('unselected', 0)} kept: all discarded for no reasoning "
             "(pass --keep_no_reasoning; with --resume it keeps these rows, with no new request)")
     failed = ", ".join(f"{k} {v}" for k, v in stats["failed_by_class"].items())
-    out(f"❌ Failed (retried on --resume): {outcomes['failed']}" + (f" ({failed})" if failed else ""))
+    if outcomes["failed"]:  # (a clean run has no failure line)
+        out(f"❌ Failed (retried on --resume): {outcomes['failed']}" + (f" ({failed})" if failed else ""))
     if outcomes["not_run"]:
         out(f"⏸️  Not run yet: {outcomes['not_run']}")
     if outcomes["filtered"]:

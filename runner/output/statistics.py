@@ -130,6 +130,8 @@ def statistics_of(run_dir: Path, view: RunView) -> dict:
         rows_this_run=_int(saved.rows_this_run), fingerprint=config_file.fingerprint,
         samples_per_prompt=_int(config.get("samples_per_prompt")) or 1,
     )
+    if saved.outcome is not None:  # nothing ran: the last invocation's outcome stands
+        stats["outcome"] = saved.outcome
     if dataset is None:
         stats["total_prompts"] = None
         stats["outcomes"]["not_run"] = None

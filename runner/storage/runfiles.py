@@ -134,6 +134,7 @@ class StatisticsFile(_File):
     batch_size: int | None = None
     model: str | None = None
     rows_this_run: int | None = None
+    outcome: dict[str, Any] | None = None  # how the last invocation ended (runner/outcome.py)
 
 
 def read_statistics(run_dir: Path) -> StatisticsFile | None:

@@ -70,3 +70,30 @@ def test_plain_progress_prints_a_line_every_interval():
 def test_plural(count, word):
     assert plural(count, "prompt") == word
     assert plural(1, "process", "processes") == "1 process" and plural(3, "process", "processes") == "3 processes"
+
+
+def test_the_headline_states_the_outcome_and_statistics_record_it(tmp_path, model_server, remote_args):
+    """Failed rows are not COMPLETE: the headline, the exit code and statistics.json say one outcome."""
+    import json
+
+    rows = [{"prompt": "@fail 400 9\nAlways fails."}, {"prompt": "@fail 400 9\nFails too."}, {"prompt": "Fine?"}]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = run_cli([f"--dataset_file={data}", "--batch_size=1", "--run_name=r", *remote_args,
+                    "--distribution=minimal", "--num_workers=1"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "📊 FINISHED WITH 2 FAILED ROWS (retry with --resume)" in out
+    assert "COMPLETE" not in out
+    stats = json.loads((tmp_path / "data" / "r" / "statistics.json").read_text())
+    assert stats["outcome"] == {"kind": "failed_rows", "exit_code": 2, "message": None}
+    assert run_cli(["--report", "--run_name=r"], tmp_path).returncode == 0  # runs nothing: the outcome stands
+    assert json.loads((tmp_path / "data" / "r" / "statistics.json").read_text())["outcome"] == stats["outcome"]
+
+    clean = write_jsonl(tmp_path / "clean.jsonl", [{"prompt": "Explain tides."}])
+    proc = run_cli([f"--dataset_file={clean}", "--batch_size=1", "--run_name=c", "--model=mock",
+                    "--distribution=minimal"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "📊 BATCH PROCESSING COMPLETE" in proc.stdout
+    assert "Failed" not in proc.stdout + proc.stderr  # no red "Failed: 0" on a clean run
+    stats = json.loads((tmp_path / "data" / "c" / "statistics.json").read_text())
+    assert stats["outcome"] == {"kind": "done", "exit_code": 0, "message": None}
