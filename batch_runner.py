@@ -93,7 +93,8 @@ def main(**flags: Any):
                                            **{name: flags.get(name) for name in rescore_flags}))
         if flags.get("export") is not None and flags.get("dataset_file") is None:
             raise SystemExit(_export_only(flags.get("output_dir"), flags.get("run_name"), flags["export"]))
-        config = build_config(**flags)
+        recorded = _recorded_config(flags) if commands["resume"] else {}
+        config = build_config(**_with_recorded_flags(flags, recorded), recorded=recorded)
         code = BatchRunner(config, resume=bool(commands["resume"]), overwrite=bool(commands["overwrite"]),
                            allow_config_change=bool(commands["allow_config_change"])).run()
     except UsageError as err:
@@ -284,12 +285,45 @@ def _prefill(path: Any) -> list[dict] | None:
     return messages
 
 
-def build_config(**flags: Any):
+def _recorded_config(flags: dict) -> dict:
+    """The configuration config.json records for the run --resume continues ({} when none)."""
+    from runner.input.config import RunConfig
+    from runner.storage.runfiles import read_config
+
+    if not flags.get("run_name"):
+        return {}
+    output_dir = flags.get("output_dir") or RunConfig.model_fields["output_dir"].default
+    try:
+        recorded = read_config(Path(str(output_dir)) / str(flags["run_name"]))
+    except (OSError, ValueError):  # a name no folder can have: the validation names it
+        return {}
+    return recorded.config if recorded is not None else {}
+
+
+def _with_recorded_flags(flags: dict, recorded: dict) -> dict:
+    """The flags, with those left out taken from the recorded configuration (a resume continues
+    the run as it was started; the flags given are checked against it by the fingerprint). The
+    key is never recorded; a drawn seed is found again by the run itself."""
+    from runner.input.flags import FLAGS
+
+    filled = dict(flags)
+    for flag in FLAGS:
+        source = recorded if flag.section == "run" else recorded.get("tools") if flag.section == "tools" else None
+        if flags.get(flag.name) is not None or not isinstance(source, dict):
+            continue
+        value = source.get(flag.name)
+        if value is not None and value != [] and not (flag.name == "seed" and recorded.get("seed_drawn")):
+            filled[flag.name] = value
+    return filled
+
+
+def build_config(*, recorded: dict | None = None, **flags: Any):
     """The flags as a validated RunConfig; a bad one raises UsageError with one clear line.
 
     Each flag goes to the model whose field declares it (runner/input/flags.py, SECTIONS): the models
     check the values and default the ones left out (None). The request flags become the fields they
-    set; the budget flags are checked with the prices.
+    set; the budget flags are checked with the prices. `recorded` (a resumed run's configuration)
+    gives the fields that request flags set when none of them is given.
     """
     from runner.execution.budget import cost_options
     from runner.input.config import RunConfig, provider_preferences, reasoning_request
@@ -303,6 +337,7 @@ def build_config(**flags: Any):
     if any(value is not None for value in sections["command"].values()):
         raise UsageError(f"build_config() takes no command flags ({', '.join(sections['command'])})")
     fields, tool_flags, request = sections["run"], sections["tools"], sections["request"]
+    request = {**request, **_recorded_request_flags(request, recorded or {})}
     cost_flags = {name: request.pop(name, None) for name in ("price_input_per_mtok", "price_output_per_mtok",
                                                               "price_cached_input_per_mtok")}
     cost_flags.update({name: fields.pop(name, None) for name in ("max_cost", "max_cost_hard", "max_cost_scope")})
@@ -336,6 +371,29 @@ def build_config(**flags: Any):
         effort = config.reasoning["effort"]
         print("🧠 Reasoning: DISABLED (effort=none)" if effort == "none" else f"🧠 Reasoning effort: {effort}")
     return config
+
+
+def _recorded_request_flags(given: dict, recorded: dict) -> dict:
+    """The request flags that give a resumed run its recorded provider, reasoning and prices, for
+    each of those fields none of whose flags is given."""
+    def none_given(*names: str) -> bool:
+        return all(given.get(name) is None for name in names)
+
+    flags: dict[str, Any] = {}
+    provider = recorded.get("provider") or {}
+    if none_given("providers_allowed", "providers_ignored", "providers_order", "provider_sort"):
+        flags.update(providers_allowed=provider.get("only"), providers_ignored=provider.get("ignore"),
+                     providers_order=provider.get("order"), provider_sort=provider.get("sort"))
+    reasoning = recorded.get("reasoning") or {}
+    if none_given("reasoning_effort", "reasoning_disabled") and reasoning.get("effort") == "none":
+        flags["reasoning_disabled"] = True
+    elif none_given("reasoning_effort", "reasoning_disabled") and reasoning.get("effort"):
+        flags["reasoning_effort"] = reasoning["effort"]
+    prices = recorded.get("prices") or {}
+    if none_given("price_input_per_mtok", "price_output_per_mtok", "price_cached_input_per_mtok") and prices:
+        flags.update(price_input_per_mtok=prices.get("input_per_mtok"), price_output_per_mtok=prices.get("output_per_mtok"),
+                     price_cached_input_per_mtok=prices.get("cached_input_per_mtok"))
+    return {name: value for name, value in flags.items() if value is not None}
 
 
 def _checked(function, *args):
@@ -452,6 +510,13 @@ def _refuse_run_while_a_worker_imports_the_script() -> None:
             'BatchRunner.run() was called while a worker process imported your script: start the run under '
             '`if __name__ == "__main__":` (the workers import the script again; see docs/python-api.md)'
         )
+
+
+def _shown(value: Any) -> str:
+    """A recorded option's value as a message shows it: text quoted, the rest as JSON."""
+    import json
+
+    return repr(value) if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
 class BatchRunner:
@@ -699,14 +764,17 @@ class BatchRunner:
         recorded = read_config(self.run_dir)
         if recorded is None:
             return
-        changed = diff_fingerprints(recorded.fingerprint_fields, self.config.fingerprint_fields())
+        saved, current = recorded.fingerprint_fields, self.config.fingerprint_fields()
+        changed = diff_fingerprints(saved, current)
+        # Each change with its old and new value: "max_turns: 3 -> 5".
+        changes = ", ".join(f"{name}: {_shown(saved.get(name))} -> {_shown(current.get(name))}" for name in changed)
         if changed and not self.allow_config_change:
             raise UsageError(
-                f"--resume with a different configuration ({', '.join(changed)} changed since the rows in "
+                f"--resume with a different configuration ({changes}; changed since the rows in "
                 f"{self.run_dir} were made); pass --allow_config_change to mix them anyway"
             )
         if changed:
-            print(f"⚠️  Configuration changed ({', '.join(changed)}); continuing because of --allow_config_change")
+            print(f"⚠️  Configuration changed ({changes}); continuing because of --allow_config_change")
         recorded_samples = recorded.setting("samples_per_prompt")
         wanted = self.config.samples_per_prompt
         if isinstance(recorded_samples, int) and wanted < recorded_samples:  # the extra samples are paid for

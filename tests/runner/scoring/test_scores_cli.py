@@ -147,7 +147,7 @@ def test_resume_with_other_scorers_is_a_configuration_change(tmp_path, model_ser
     rows = [{"prompt": "@answer yes\nQ?", "target": "yes"}, {"prompt": "@fail 400 1\nR?", "target": "no"}]
     assert _run(tmp_path, rows, remote_args, "--scorer=includes").returncode == 2
     proc = _run(tmp_path, rows, remote_args, "--scorer=exact", "--resume")
-    assert proc.returncode == 1 and "(scorer changed since" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and """(scorer: ["includes"] -> ["exact"]; changed since""" in proc.stderr, proc.stderr
     proc = _run(tmp_path, rows, remote_args, "--scorer=exact", "--resume", "--allow_config_change")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     scorers = {t["conversations"][1]["value"].splitlines()[-1]: t["metadata"]["scores"][0]["scorer"] for t in _kept(tmp_path)}

@@ -1,0 +1,37 @@
+"""--resume takes the run's recorded configuration: only --run_name (and the key) are needed again."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import SECRET_KEY, read_jsonl, run_cli, write_jsonl
+
+
+def test_resume_with_only_the_run_name_continues_the_recorded_configuration(tmp_path, model_server, remote_args):
+    rows = [{"prompt": "First?"}, {"prompt": "Second?"}, {"prompt": "Third?"}]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    first = run_cli([f"--dataset_file={data}", "--batch_size=1", "--run_name=r", *remote_args,
+                     "--distribution=minimal", "--max_turns=3", "--max_samples=2"], tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    served = len(model_server.requests)
+
+    # The key is never recorded: it comes from the environment again.
+    again = run_cli(["--run_name=r", "--resume"], tmp_path, env={"OPENAI_API_KEY": SECRET_KEY})
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "Resuming: 2 of 2 rows already committed" in again.stdout
+    config = json.loads((tmp_path / "data" / "r" / "config.json").read_text())
+    assert len(config["invocations"]) == 2
+    assert (config["config"]["model"], config["config"]["max_turns"], config["config"]["max_samples"]) == (
+        "test-model", 3, 2)
+    assert len(model_server.requests) == served  # both rows were done: nothing was asked again
+    assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == 2
+
+    # A flag given on resume is checked against the record, naming the old and the new value.
+    changed = run_cli(["--run_name=r", "--resume", "--max_turns=5", "--max_samples=3"], tmp_path,
+                      env={"OPENAI_API_KEY": SECRET_KEY})
+    assert changed.returncode == 1, changed.stdout + changed.stderr
+    assert "max_turns: 3 -> 5" in changed.stderr, changed.stderr
+    more = run_cli(["--run_name=r", "--resume", "--max_samples=3"], tmp_path, env={"OPENAI_API_KEY": SECRET_KEY})
+    assert more.returncode == 0, more.stdout + more.stderr  # not fingerprinted: the third row runs now
+    assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == 3
+    assert SECRET_KEY not in (tmp_path / "data" / "r" / "config.json").read_text()
