@@ -48,10 +48,9 @@ import time
 import uuid
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.console import plural
-from runner.execution.executor import Executor
 from runner.storage.store import StorageError
 from runner.input.config import Commands
 from runner.input.flags import flag_named, main_signature
@@ -61,6 +60,10 @@ from runner.outcome import (EXIT_BUDGET, EXIT_ERROR, EXIT_FATAL_PROVIDER, EXIT_I
                             EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, Outcome, Stop, decide)
 FATAL_CLASSES = ("auth", "quota")
 _LOOPBACK = re.compile(r"^https?://(localhost|127\.\d+\.\d+\.\d+|\[::1\])(:\d+)?(/|$)")
+
+
+if TYPE_CHECKING:  # (the executors are imported when a run starts, never for --help)
+    from runner.execution.executor import Executor
 
 
 class UsageError(Exception):
@@ -325,7 +328,6 @@ def build_config(*, recorded: dict | None = None, **flags: Any):
     set; the budget flags are checked with the prices. `recorded` (a resumed run's configuration)
     gives the fields that request flags set when none of them is given.
     """
-    from runner.execution.budget import cost_options
     from runner.input.config import RunConfig, provider_preferences, reasoning_request
     from runner.input.flags import by_section
     from tools.settings import ToolSettings
@@ -344,7 +346,8 @@ def build_config(*, recorded: dict | None = None, **flags: Any):
     fields["ephemeral_system_prompt"] = fields.get("ephemeral_system_prompt") or None  # "" is none
     fields["api_key"] = _api_key(fields.get("api_key"))
     fields["prefill_messages"] = _prefill(fields.get("prefill_messages_file"))
-    fields["export"] = _checked(_export_formats, fields.get("export"))
+    if fields.get("export") is not None:
+        fields["export"] = _checked(_export_formats, fields["export"])
     if fields.get("scorer") is not None:
         from runner.scoring.scorers import scorer_names
 
@@ -361,6 +364,8 @@ def build_config(*, recorded: dict | None = None, **flags: Any):
     config.tools = _validated(ToolSettings, **tool_flags, run_name=config.run_name, run_id=uuid.uuid4().hex[:12],
                               model=config.model, **_tool_endpoints())
     _require_api_key(config)
+    from runner.execution.budget import cost_options  # (after the fields' checks: a bad value imports nothing more)
+
     config = config.model_copy(update=_checked(cost_options, cost_flags, config.model))
     _require_installed(config)
     _check_compression(config)
@@ -1307,8 +1312,6 @@ def cli(argv: list[str] | None = None) -> None:
         from runner.input.secrets import protect_process_secrets
 
         protect_process_secrets()
-    import fire
-
     from runner.input.flags import FlagError, bool_flags, check_argv, format_help, text_flags, wants_help
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -1321,6 +1324,8 @@ def cli(argv: list[str] | None = None) -> None:
     except FlagError as err:
         print(f"❌ Error: {err}", file=sys.stderr)
         raise SystemExit(EXIT_ERROR) from None
+    import fire  # (after --help, which needs none of it)
+
     fire.Fire(fire.decorators.SetParseFns(**{name: str for name in strings})(main), command=argv)
 
 

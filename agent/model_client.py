@@ -40,7 +40,7 @@ import orjson
 
 from agent.pricing import Prices, request_cost
 from agent.usage import Usage
-from agent.types import ModelReply, ProviderError
+from agent.types import REQUEST_TIMEOUT, ModelReply, ProviderError
 
 _QUOTA_CODES = ("insufficient_quota", "insufficient_credits", "billing_hard_limit_reached")
 
@@ -55,7 +55,7 @@ class RetryPolicy:
     # (a server restart) is ridden out, a dead endpoint fails the row soon enough for the run's
     # unreachable-endpoint stop to end the run instead of failing the dataset one row at a time.
     max_unreachable_wait: float = 30.0
-    request_timeout: float = 600.0  # seconds for one HTTP request
+    request_timeout: float = REQUEST_TIMEOUT  # seconds for one HTTP request
 
 
 class AdaptiveLimiter:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+REQUEST_TIMEOUT = 600.0  # seconds for one HTTP request to the model (--request_timeout's default)
+
 
 @dataclass
 class ModelReply:

@@ -23,12 +23,11 @@ import orjson
 from annotated_types import Ge, Gt, Lt
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, StrictFloat, StrictInt, ValidationError, field_validator, model_validator
 
-from agent.model_client import RetryPolicy
 from agent.pricing import FREE, Prices
+from agent.types import REQUEST_TIMEOUT
 from runner.input.flag_declaration import ORIGINAL, fingerprint_condition, fingerprint_key, fingerprinted, flag
 from tools.settings import TOOL_BACKENDS, ToolSettings
 
-REQUEST_TIMEOUT = RetryPolicy.request_timeout
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra"]
 ProviderSort = Literal["price", "throughput", "latency"]

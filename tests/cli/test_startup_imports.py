@@ -1,0 +1,37 @@
+"""Start-up imports only what the command needs: --help, --list_distributions and a bad flag value
+never load the model client, the executors or an environment backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, write_jsonl
+
+# Code a command that runs nothing must not load: the model client (and its HTTP stack), the
+# executors and workers, the environment backends, the tools, the output writers.
+HEAVY = ("agent.model_client", "agent.loop", "httpx2", "runner.execution", "runner.output",
+         "runner.scoring", "tools.environments.local", "tools.environments.docker", "tools.environments.base",
+         "tools.terminal_tool", "tools.file_tools", "docker", "ray")
+
+
+def _imported(args: list[str], cwd) -> tuple[subprocess.CompletedProcess, set[str]]:
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "batch_runner.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(cwd)})
+    modules = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    return proc, modules
+
+
+@pytest.mark.parametrize("kind", ["help", "list_distributions", "bad value"])
+def test_a_command_that_runs_nothing_imports_no_model_executor_or_environment(tmp_path, kind):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    args = {"help": ["--help"], "list_distributions": ["--list_distributions"],
+            "bad value": [f"--dataset_file={data}", "--batch_size=0", "--run_name=r", "--model=mock"]}[kind]
+    proc, modules = _imported(args, tmp_path)
+    assert proc.returncode == (1 if kind == "bad value" else 0), proc.stdout + proc.stderr[-2000:]
+    assert "runner.input.flags" in modules  # (the measurement works)
+    loaded = sorted(m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY))
+    assert loaded == [], loaded
