@@ -303,14 +303,21 @@ def _recorded_config(flags: dict) -> dict:
     return recorded.config if recorded is not None else {}
 
 
+# Besides the fingerprinted flags, what a resume needs to find the same rows and files.
+_RESUMED_AS_RECORDED = ("dataset_file", "batch_size")
+
+
 def _with_recorded_flags(flags: dict, recorded: dict) -> dict:
-    """The flags, with those left out taken from the recorded configuration (a resume continues
-    the run as it was started; the flags given are checked against it by the fingerprint). The
-    key is never recorded; a drawn seed is found again by the run itself."""
+    """The flags, with the fingerprinted ones left out taken from the recorded configuration (a
+    resume continues the run as it was made; the flags given are checked against it by the
+    fingerprint), and the dataset and batch size. The others (workers, budget, timeouts, ...) are
+    this invocation's. The key is never recorded; a drawn seed is found again by the run itself."""
     from runner.input.flags import FLAGS
 
     filled = dict(flags)
     for flag in FLAGS:
+        if not (flag.fingerprint or flag.name in _RESUMED_AS_RECORDED):
+            continue
         source = recorded if flag.section == "run" else recorded.get("tools") if flag.section == "tools" else None
         if flags.get(flag.name) is not None or not isinstance(source, dict):
             continue
@@ -326,7 +333,7 @@ def build_config(*, recorded: dict | None = None, **flags: Any):
     Each flag goes to the model whose field declares it (runner/input/flags.py, SECTIONS): the models
     check the values and default the ones left out (None). The request flags become the fields they
     set; the budget flags are checked with the prices. `recorded` (a resumed run's configuration)
-    gives the fields that request flags set when none of them is given.
+    gives the fingerprinted fields that request flags set when none of them is given.
     """
     from runner.input.config import RunConfig, provider_preferences, reasoning_request
     from runner.input.flags import by_section
@@ -379,8 +386,8 @@ def build_config(*, recorded: dict | None = None, **flags: Any):
 
 
 def _recorded_request_flags(given: dict, recorded: dict) -> dict:
-    """The request flags that give a resumed run its recorded provider, reasoning and prices, for
-    each of those fields none of whose flags is given."""
+    """The request flags that give a resumed run its recorded provider and reasoning (both
+    fingerprinted), for each of those fields none of whose flags is given."""
     def none_given(*names: str) -> bool:
         return all(given.get(name) is None for name in names)
 
@@ -394,10 +401,6 @@ def _recorded_request_flags(given: dict, recorded: dict) -> dict:
         flags["reasoning_disabled"] = True
     elif none_given("reasoning_effort", "reasoning_disabled") and reasoning.get("effort"):
         flags["reasoning_effort"] = reasoning["effort"]
-    prices = recorded.get("prices") or {}
-    if none_given("price_input_per_mtok", "price_output_per_mtok", "price_cached_input_per_mtok") and prices:
-        flags.update(price_input_per_mtok=prices.get("input_per_mtok"), price_output_per_mtok=prices.get("output_per_mtok"),
-                     price_cached_input_per_mtok=prices.get("cached_input_per_mtok"))
     return {name: value for name, value in flags.items() if value is not None}
 
 

@@ -15,23 +15,22 @@ def test_resume_with_only_the_run_name_continues_the_recorded_configuration(tmp_
     assert first.returncode == 0, first.stdout + first.stderr
     served = len(model_server.requests)
 
-    # The key is never recorded: it comes from the environment again.
+    # The key is never recorded: it comes from the environment again. --max_samples is this
+    # invocation's (not fingerprinted): the third row runs now, against the recorded endpoint and model.
     again = run_cli(["--run_name=r", "--resume"], tmp_path, env={"OPENAI_API_KEY": SECRET_KEY})
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "Resuming: 2 of 2 rows already committed" in again.stdout
+    assert "Resuming: 2 of 3 rows already committed; 1 to run" in again.stdout
+    chat = [r for r in model_server.requests[served:] if r.path.endswith("/chat/completions")]
+    assert chat and all(r.body["model"] == "test-model" for r in chat)
     config = json.loads((tmp_path / "data" / "r" / "config.json").read_text())
     assert len(config["invocations"]) == 2
-    assert (config["config"]["model"], config["config"]["max_turns"], config["config"]["max_samples"]) == (
-        "test-model", 3, 2)
-    assert len(model_server.requests) == served  # both rows were done: nothing was asked again
-    assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == 2
+    assert (config["config"]["model"], config["config"]["max_turns"], config["config"]["distribution"]) == (
+        "test-model", 3, "minimal")
+    assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == 3
 
-    # A flag given on resume is checked against the record, naming the old and the new value.
-    changed = run_cli(["--run_name=r", "--resume", "--max_turns=5", "--max_samples=3"], tmp_path,
+    # A fingerprinted flag given on resume is checked against the record, naming the old and the new value.
+    changed = run_cli(["--run_name=r", "--resume", "--max_turns=5", "--model=other-model"], tmp_path,
                       env={"OPENAI_API_KEY": SECRET_KEY})
     assert changed.returncode == 1, changed.stdout + changed.stderr
-    assert "max_turns: 3 -> 5" in changed.stderr, changed.stderr
-    more = run_cli(["--run_name=r", "--resume", "--max_samples=3"], tmp_path, env={"OPENAI_API_KEY": SECRET_KEY})
-    assert more.returncode == 0, more.stdout + more.stderr  # not fingerprinted: the third row runs now
-    assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == 3
+    assert "max_turns: 3 -> 5" in changed.stderr and "model: 'test-model' -> 'other-model'" in changed.stderr
     assert SECRET_KEY not in (tmp_path / "data" / "r" / "config.json").read_text()
