@@ -304,7 +304,7 @@ def _recorded_config(flags: dict) -> dict:
 
 
 # Besides the fingerprinted flags, what a resume needs to find the same rows and files.
-_RESUMED_AS_RECORDED = ("dataset_file", "batch_size")
+_RESUMED_AS_RECORDED = ("dataset_file", "batch_size", "samples_per_prompt")
 
 
 def _with_recorded_flags(flags: dict, recorded: dict) -> dict:
