@@ -46,7 +46,6 @@ import functools
 import re
 import time
 import uuid
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +54,7 @@ from runner.storage.store import StorageError
 from runner.input.config import Commands
 from runner.input.flags import flag_named, main_signature
 from toolset_distributions import format_distribution_catalogue
+from runner.timestamps import now_iso
 
 from runner.outcome import (EXIT_BUDGET, EXIT_ERROR, EXIT_FATAL_PROVIDER, EXIT_INCOMPLETE,
                             EXIT_INTERRUPTED, EXIT_OK, EXIT_STORAGE, Outcome, Stop, decide)
@@ -560,7 +560,8 @@ class BatchRunner:
         self._first_finished: list[str] | None = []  # outcomes of the first rows to finish (None: decided)
         self._to_run = 0
         self._same_failure: tuple[str | None, int] = (None, 0)  # every_request_failed_as, rows in a row
-        self.started_at = datetime.now().isoformat()
+        self.started_at = now_iso()
+        self._started_clock = time.monotonic()  # the same instant, for the live rate
 
     @property
     def stopping(self) -> bool:
@@ -627,7 +628,6 @@ class BatchRunner:
                 self._refuse_duplicate_ids(scan)
             if not scan.rows:
                 raise UsageError(f"{config.dataset_file}: no valid rows")
-            self._print_header(scan)
             self._warn_if_not_isolated()
             self._failed_images = self._prepare_images(scan)
             self._refuse_unusable_default_image(scan)
@@ -792,8 +792,6 @@ class BatchRunner:
                 f"--samples_per_prompt={recorded_samples} or more")
 
     def _write_config(self) -> None:
-        from datetime import datetime
-
         from runner.storage.runfiles import ConfigFile, Invocation, read_config, write_config
 
         saved = None if self.overwrite else read_config(self.run_dir)
@@ -805,8 +803,8 @@ class BatchRunner:
             fingerprint=self.config.fingerprint(),
             fingerprint_fields=self.config.fingerprint_fields(),
             run_id=self.config.tools.run_id,
-            created_at=created or datetime.now().isoformat(),
-            updated_at=datetime.now().isoformat(),
+            created_at=created or now_iso(),
+            updated_at=now_iso(),
             invocations=invocations,
         ))
 
@@ -818,6 +816,7 @@ class BatchRunner:
         config = self.config
         if self.resume:
             self._check_fingerprint()
+        self._print_header(scan)  # after every check that can stop the run at its start
         self._write_config()
         store.repair_torn_tails(self.log)
         store.load(self.log)
@@ -912,7 +911,7 @@ class BatchRunner:
     def _make_monitor(self, scan, store, done: int, remaining: int):
         """Live spend, forecast and status.json for this invocation, with the budget if one is set."""
         from runner.execution.budget import Budget
-        from runner.output.status import LiveSpend, RunMonitor
+        from runner.output.status import FORECAST_MIN_ROWS, LiveSpend, RunMonitor
 
         config = self.config
         # the scope decides what the budget counts; only a budget counts unknown costs at the mean
@@ -923,7 +922,8 @@ class BatchRunner:
         budget = Budget(config.max_cost, config.max_cost_hard, spend) if config.max_cost is not None else None
         monitor = RunMonitor(self.run_dir, config.run_name, total_rows=len(units), finished_before=done,
                              kept_before=kept, to_run=remaining, spend=spend, budget=budget,
-                             budget_limit=config.max_cost, log=self.log)
+                             budget_limit=config.max_cost, log=self.log,
+                             forecast_after=max(FORECAST_MIN_ROWS, self._sessions()), t0=self._started_clock)
         from runner.storage.runview import Selection
 
         monitor.selection = Selection.of(config)
@@ -1091,7 +1091,7 @@ class BatchRunner:
         exhausted = False
         committed = 0
         grace_deadline = None
-        self._bar = progress(remaining)  # a bar on a terminal; plain lines every 10 s in a log
+        self._bar = progress(remaining, waiting=monitor.oldest_wait)  # a bar on a terminal; plain lines in a log
         try:
             while True:
                 immediate = []

@@ -19,7 +19,6 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from typing import Any, Awaitable, Callable
 
 from agent.loop import LoopConfig, run_conversation
@@ -37,6 +36,7 @@ from runner.scoring.sample import Sample
 from runner.scoring.scorers import ScoringContext, resolve, run_scorers
 from tools.registry import ToolContext, tools_for_toolsets
 from toolset_distributions import get_distribution, rng_for_row, sample_toolsets_from_distribution
+from runner.timestamps import now_iso
 
 
 class WorkerRuntime:
@@ -121,7 +121,7 @@ def _metadata(task: Task, config: RunConfig, started: float | None, session: Ses
               **extra: Any) -> Metadata:
     stats = session.stats if session else None
     return Metadata(
-        timestamp=datetime.now().isoformat(),
+        timestamp=now_iso(),
         model=config.model,
         row_key=task.key,
         id=task.id,

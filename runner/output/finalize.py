@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from runner.storage.records import relocated_line
 from runner.storage.runfiles import Invocation, write_statistics  # noqa: F401 (callers take them from here)
 from runner.storage.runview import OK_RANK, Detail, RunView, Selection, read_run
 from runner.storage.store import batch_files, keep_mode
+from runner.timestamps import now_iso
 
 
 def merge_run(run_dir: Path, key_to_index: Mapping[str, int], log=print, *, ids: Mapping[str, str] | None = None,
@@ -120,43 +120,43 @@ def _write_trajectories(run_dir: Path, lines: Iterator[bytes]) -> None:
 
 def record_invocation_end(run_dir: Path, run_id: str) -> list[Invocation]:
     """Stamp the end of this invocation in config.json; returns every invocation recorded there."""
-    return runfiles.record_invocation_end(run_dir, run_id, datetime.now().isoformat())
+    return runfiles.record_invocation_end(run_dir, run_id, now_iso())
 
 
 def print_summary(stats: dict, run_dir: Path, out=print, headline: str = "BATCH PROCESSING COMPLETE") -> None:
     rule = "=" * 70
     outcomes = stats["outcomes"]
     out(f"\n{rule}\n📊 {headline}\n{rule}")
-    out(f"✅ Prompts processed this run: {stats['rows_this_run']}")
-    out(f"✅ Total trajectories in merged file: {outcomes['ok']} "
-        f"(completed {outcomes['completed']}, partial {outcomes['partial']}, turn limit {outcomes['turn_limit']})")
-    out(f"🚫 Discarded (no reasoning): {outcomes['discarded']}")
+    out(f"✅ Prompts processed this run: {stats['rows_this_run']:,}")
+    out(f"✅ Total trajectories in merged file: {outcomes['ok']:,} "
+        f"(completed {outcomes['completed']:,}, partial {outcomes['partial']:,}, turn limit {outcomes['turn_limit']:,})")
+    out(f"🚫 Discarded (no reasoning): {outcomes['discarded']:,}")
     if outcomes.get("unselected"):
-        out(f"🚫 Not selected (--keep): {outcomes['unselected']} (kept in the batch files)")
+        out(f"🚫 Not selected (--keep): {outcomes['unselected']:,} (kept in the batch files)")
     if outcomes.get("spared"):
-        out(f"⏭️  Not run (--stop_after_passing, their row passed enough): {outcomes['spared']}")
+        out(f"⏭️  Not run (--stop_after_passing, their row passed enough): {outcomes['spared']:,}")
     if outcomes["discarded"] and not outcomes["ok"]:
-        out(f"⚠️  0 of {outcomes['discarded'] + outcomes.get('unselected', 0)} kept: all discarded for no reasoning "
+        out(f"⚠️  0 of {outcomes['discarded'] + outcomes.get('unselected', 0):,} kept: all discarded for no reasoning "
             "(pass --keep_no_reasoning; with --resume it keeps these rows, with no new request)")
-    failed = ", ".join(f"{k} {v}" for k, v in stats["failed_by_class"].items())
+    failed = ", ".join(f"{k} {v:,}" for k, v in stats["failed_by_class"].items())
     if outcomes["failed"]:  # (a clean run has no failure line)
-        out(f"❌ Failed (retried on --resume): {outcomes['failed']}" + (f" ({failed})" if failed else ""))
+        out(f"❌ Failed (retried on --resume): {outcomes['failed']:,}" + (f" ({failed})" if failed else ""))
     if outcomes["not_run"]:
-        out(f"⏸️  Not run yet: {outcomes['not_run']}")
+        out(f"⏸️  Not run yet: {outcomes['not_run']:,}")
     if outcomes["filtered"]:
-        out(f"⚠️  Filtered (unknown tools): {outcomes['filtered']}")
+        out(f"⚠️  Filtered (unknown tools): {outcomes['filtered']:,}")
     scoring = stats.get("scoring")
     if scoring:
         at_k = ", ".join(f"pass@{k} {v:.3f}" for k, v in scoring["pass_at_k"].items() if v is not None)
-        out(f"🎯 Scored samples: {scoring['samples']} ({', '.join(scoring['scorers'])}), passed {scoring['passed']}, "
+        out(f"🎯 Scored samples: {scoring['samples']:,} ({', '.join(scoring['scorers'])}), passed {scoring['passed']:,}, "
             f"mean {scoring['mean']:.3f}" + (f"; {at_k}" if at_k else "")
-            + (f"; scorer errors {scoring['errors']}" if scoring["errors"] else ""))
-    out(f"✅ Total batch files merged: {stats['total_batches']}")
+            + (f"; scorer errors {scoring['errors']:,}" if scoring["errors"] else ""))
+    out(f"✅ Total batch files merged: {stats['total_batches']:,}")
     run = stats["run_time"]
     with_outcome = outcomes["ok"] + outcomes["discarded"] + outcomes["failed"]
     rate = rows_per_minute(with_outcome, run["running_seconds"])
-    out(f"⏱️  Total duration: {stats['duration_seconds']}s"
-        + (f" over {run['invocations']} invocations" if run["invocations"] > 1 else "")
+    out(f"⏱️  Total duration: {stats['duration_seconds']:,}s"
+        + (f" over {run['invocations']:,} invocations" if run["invocations"] > 1 else "")
         + (f"; throughput {throughput_text(rate)} ({THROUGHPUT_DEFINITION})" if rate is not None else ""))
     out(_spend_line("🔢 Spent (every attempt)", stats["spend"]["all"]) + f"; retries {stats['retries']:,}")
     for bucket, label in (("kept", "kept rows"), ("discarded", "discarded rows"), ("unselected", "samples not selected"),
@@ -198,7 +198,7 @@ def print_summary(stats: dict, run_dir: Path, out=print, headline: str = "BATCH 
 def _tool_table(tools: dict, out) -> None:
     out(f"{'Tool Name':<25}{'Count':<10}{'Success':<10}{'Failure':<10}{'Success Rate':<12}\n" + "-" * 70)
     for name, s in sorted(tools.items(), key=lambda kv: -kv[1]["count"]):
-        out(f"{name:<25}{s['count']:<10}{s['success']:<10}{s['failure']:<10}{s['success_rate']:.1f}%")
+        out(f"{name:<25}{s['count']:<10,}{s['success']:<10,}{s['failure']:<10,}{s['success_rate']:.1f}%")
 
 
 def _reasoning_lines(reasoning: dict, out) -> None:

@@ -31,7 +31,6 @@ import tempfile
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,8 +41,9 @@ from runner.storage.records import OUTCOMES, LineFields, dropped_lines, note_lin
 from runner.storage.runfiles import ConfigFile, read_config, read_statistics
 from runner.storage.runview import Detail, RowEntry, RunView, Selection, parse_time, read_run
 from runner.output.spend_view import read_invocations
-from runner.output.status import THROUGHPUT_DEFINITION, rows_per_minute
+from runner.output.status import THROUGHPUT_DEFINITION, rows_per_minute, throughput_text
 from runner.storage.store import batch_files, keep_mode
+from runner.timestamps import iso_of, now_iso
 
 REPORT_NAME = "report.html"
 TEMPLATE = Path(__file__).with_name("report_template.html")
@@ -257,7 +257,7 @@ def _timeline(rows: list[_Row], invocations: dict[str, list]) -> dict | None:
     for r in stamped:
         series[r.code][min(count - 1, int((r.ts - start) // bucket))] += 1
     return {
-        "start": datetime.fromtimestamp(start).isoformat(timespec="milliseconds"),
+        "start": iso_of(start, "milliseconds"),
         "start_epoch": start,
         "bucket_seconds": bucket,
         "series": dict(zip(OUTCOME_NAMES, series)),
@@ -350,7 +350,7 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
     newest_batch = max((p.stat().st_mtime for p in view.files), default=0.0)
     stats_outdated = saved is None or stats_path.stat().st_mtime + 1e-6 < newest_batch
     invocations = sorted(
-        ({"run_id": rid, "start": datetime.fromtimestamp(s).isoformat(timespec="seconds"),
+        ({"run_id": rid, "start": iso_of(s, "seconds"),
           "seconds": round(e - s, 3), "lines": n} for rid, (s, e, n) in view.spans.items()),
         key=lambda item: item["start"],
     )
@@ -361,7 +361,7 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
     return {
         "run_name": stats["run_name"],
         "run_dir": str(run_dir),
-        "generated_at": datetime.now().isoformat(timespec="seconds"),
+        "generated_at": now_iso("seconds"),
         "model": stats.get("model") or config.get("model"),
         "distribution": distribution,
         "fingerprint": config_file.fingerprint or stats.get("fingerprint"),
@@ -401,8 +401,8 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
         },
         "timeline": _timeline(rows, view.spans),
         "duration": {
-            "first_row_at": datetime.fromtimestamp(min(stamps)).isoformat(timespec="seconds") if stamps else None,
-            "last_row_at": datetime.fromtimestamp(max(stamps)).isoformat(timespec="seconds") if stamps else None,
+            "first_row_at": iso_of(min(stamps), "seconds") if stamps else None,
+            "last_row_at": iso_of(max(stamps), "seconds") if stamps else None,
             "span_seconds": round(max(stamps) - min(stamps), 3) if stamps else None,
             "active_seconds": active,
             "first_started_at": run_time["first_started_at"],
@@ -410,7 +410,7 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
             "invocation_count": run_time["invocations"],
             "invocations": invocations,
             "rows_per_minute": _two_places(rows_per_minute(len(rows), active)),
-            "throughput_definition": THROUGHPUT_DEFINITION,
+            "throughput": f"{throughput_text(rows_per_minute(len(rows), active))} ({THROUGHPUT_DEFINITION})",
             "row_seconds_p50": _percentile(durations, 0.5),
             "row_seconds_p90": _percentile(durations, 0.9),
             "row_seconds_max": max(durations) if durations else None,

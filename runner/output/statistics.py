@@ -14,6 +14,7 @@ from typing import Any
 from runner.storage.records import SCHEMA_VERSION
 from runner.storage.runfiles import ConfigFile, Invocation, StatisticsFile, read_config, read_statistics
 from runner.storage.runview import TOKEN_KEYS, RunView, parse_time
+from runner.timestamps import iso_of, now_iso
 
 
 def tool_statistics(tool_stats: dict[str, dict[str, int]]) -> dict[str, dict]:
@@ -52,8 +53,8 @@ def run_time(invocations: list[Invocation], view: RunView, current_run_id: str |
         return {"running_seconds": 0.0, "first_started_at": None, "last_ended_at": None, "invocations": 0}
     return {
         "running_seconds": round(sum(e - s for s, e in spans), 2),
-        "first_started_at": datetime.fromtimestamp(min(s for s, _ in spans)).isoformat(timespec="seconds"),
-        "last_ended_at": datetime.fromtimestamp(max(e for _, e in spans)).isoformat(timespec="seconds"),
+        "first_started_at": iso_of(min(s for s, _ in spans), "seconds"),
+        "last_ended_at": iso_of(max(e for _, e in spans), "seconds"),
         "invocations": len(spans),
     }
 
@@ -73,7 +74,7 @@ def build_statistics(view: RunView, *, run_name: str, distribution: str, total_p
         "total_batches": len(view.files),
         "batch_size": batch_size,
         "model": model,
-        "completed_at": datetime.now().isoformat(),
+        "completed_at": now_iso(),
         "duration_seconds": run_time["running_seconds"],
         "tool_statistics": tool_statistics(view.kept.tool_stats),
         "reasoning_statistics": view.kept.reasoning,

@@ -30,6 +30,9 @@ from runner.storage.records import fields_of
 from runner.storage.runfiles import append_status_history, write_status
 
 STATUS_VERSION = 1
+# A forecast (rate, ETA, spend to come) from fewer finished rows is mostly the first rows' start-up:
+# none is made before this many rows, and never before one wave of the sessions has finished.
+FORECAST_MIN_ROWS = 5
 Z95 = 1.96  # two-sided 95 % normal quantile
 
 
@@ -219,23 +222,28 @@ class RunMonitor:
 
     def __init__(self, run_dir: Path, run_name: str, *, total_rows: int, finished_before: int, kept_before: int,
                  to_run: int, spend: LiveSpend, budget=None, budget_limit: float | None = None, log=print,
-                 clock=time.monotonic):
+                 clock=time.monotonic, forecast_after: int = FORECAST_MIN_ROWS, t0: float | None = None):
         self.run_dir = run_dir
         self.run_name = run_name
         self.total_rows = total_rows
         self.finished_before = finished_before
         self.kept_before = kept_before
         self.to_run = to_run  # rows this invocation set out to run
+        self.forecast_after = forecast_after  # rows finished before the rate and the forecasts show
         self.spend = spend
         self.budget = budget  # runner.execution.budget.Budget or None
         self.budget_limit = budget_limit
         self.log = log
         self.clock = clock
         self.started_at = datetime.now(timezone.utc)
-        self.t0 = clock()
+        # the invocation's start (its running time, as the summary and the report count it)
+        self.t0 = clock() if t0 is None else t0
         self.counts = {"ok": 0, "discarded": 0, "failed": 0}
         self.selection = Selection()  # the quality filters, applied to the live counts as the merge does
         self.in_flight = 0
+        # Row in flight -> when its current request was sent (its start, or the report of its last
+        # reply, after which the next request goes out): how long the oldest one has waited.
+        self._waiting_since: dict[str, float] = {}
         self._next_status = 0.0
         self._next_line: float | None = None  # set by the first commit
 
@@ -243,12 +251,21 @@ class RunMonitor:
 
     def on_start(self, task) -> None:  # a runner.execution.task.Task
         self.in_flight += 1
+        self._waiting_since[task.key] = self.clock()
         if self.budget is not None:
             self.budget.on_start(task.key)
 
     def on_usage(self, key: str, usage: dict) -> None:
         """A worker reported a row's usage so far (runner.execution.executor.SpendWatcher)."""
         self.spend.report(key, Usage.read(usage), int(usage.get("pending") or 0))
+        if key in self._waiting_since:
+            self._waiting_since[key] = self.clock()
+
+    def oldest_wait(self) -> float | None:
+        """Seconds the longest-waiting request in flight has waited (None: nothing in flight)."""
+        if not self._waiting_since:
+            return None
+        return self.clock() - min(self._waiting_since.values())
 
     def may_send(self) -> bool:
         """May a worker send another model request? Not once the known spend reaches the budget."""
@@ -265,6 +282,7 @@ class RunMonitor:
         for record in records:
             fields = fields_of(record)
             self.spend.settle(fields.key)
+            self._waiting_since.pop(fields.key, None)
             self.spend.add(fields.usage, fields.duration or 0.0)
             self.counts[quality_outcome(record, fields.outcome, self.selection)] += 1
             if self.budget is not None and fields.key in self.budget.started:
@@ -278,6 +296,7 @@ class RunMonitor:
     def on_abandoned(self) -> None:
         """The rows in flight were given up (grace period over, or --max_cost_hard)."""
         self.in_flight = 0
+        self._waiting_since.clear()
         self.spend.flight.clear()  # what they spent is committed with their failed records
         self.spend.pending.clear()
         if self.budget is not None:
@@ -331,11 +350,14 @@ class RunMonitor:
         finished = self.finished_before + finished_now
         kept = self.kept_before + self.counts["ok"]
         remaining = max(0, self.total_rows - finished)
-        rate = committed_now / elapsed if elapsed > 0 and committed_now else None
+        # While running, a rate and forecasts only from enough rows; at the end the rate is the run's.
+        early = state == "running" and committed_now < self.forecast_after
+        rate = committed_now / elapsed if elapsed > 0 and committed_now and not early else None
         left_this_run = max(0, self.to_run - committed_now)
         spend = self.spend
         total = spend.total()
-        outlook = forecast(total, finished, kept, remaining, spend.known_attempts, spend.attempt_spread())
+        measured = forecast(total, finished, kept, remaining, spend.known_attempts, spend.attempt_spread())
+        outlook = None if state == "running" and finished < self.forecast_after else measured
         return {
             "version": STATUS_VERSION,
             "run_name": self.run_name,
@@ -360,7 +382,7 @@ class RunMonitor:
                 "known_usd": _round(spend.known_total()),  # the known part: at least this much
                 "estimated": spend.is_estimate,  # totals count attempts without a cost at the mean
                 "this_invocation_usd": _round(spend.this_invocation()),
-                "per_kept_row_usd": _round(outlook.per_kept_row) if outlook else None,
+                "per_kept_row_usd": _round(measured.per_kept_row) if measured else None,
                 "attempts_priced": spend.now.priced + spend.before.priced,
                 "attempts_unpriced": spend.estimated_attempts,
                 "requests": spend.requests(),  # every request sent: committed rows' and those in flight
@@ -400,7 +422,9 @@ class RunMonitor:
             text += f"; {rows['remaining']:,} row(s) left: about {money(outlook['remaining_usd'])} more, {money(outlook['total_usd'])} in all"
             if outlook["total_low_usd"] is not None:
                 text += f" ({money(outlook['total_low_usd'])} to {money(outlook['total_high_usd'])})"
-        if s["rate_rows_per_second"]:
+        if outlook is None and rows["remaining"] and s["state"] == "running":
+            text += f"; {rows['remaining']:,} row(s) left, forecast after {self.forecast_after:,} rows"
+        if s["rate_rows_per_second"] and s["state"] == "running":  # at the end the summary states it
             text += f"; {throughput_text(s['rate_rows_per_second'] * 60)}"
         if s["eta_seconds"] is not None:
             text += f", ETA {duration_text(s['eta_seconds'])}"

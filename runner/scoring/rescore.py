@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
 from runner.scoring.sample import NoEnvironment, Sample
 from runner.scoring.scorers import Scorer, ScoringContext, resolve, row_rule, run_scorers
+from runner.timestamps import now_iso
 
 CONCURRENT = 16  # samples scored at once (only the judge waits on anything)
 
@@ -88,7 +88,7 @@ def rescore_run(run_dir: Path, options: Any, *, make_judge: Callable[[], Any] | 
     for (row, fields), (scores, usage) in zip(samples, results):
         lines.append(RescoreRecord(row_key=row.key, run_id=fields.run_id, attempt=fields.meta.attempt,
                                    scores=scores, usage=UsageRecord.of(usage), rescore_id=rescore_id,
-                                   timestamp=datetime.now().isoformat()).model_dump_json().encode() + b"\n")
+                                   timestamp=now_iso()).model_dump_json().encode() + b"\n")
     _append(run_dir / RESCORES_FILE, redact_bytes(b"".join(lines)))  # as every committed line
     return len(lines)
 

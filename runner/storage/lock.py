@@ -28,8 +28,8 @@ import os
 import socket
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
+from runner.timestamps import now_iso
 
 LEASE_SECONDS = 60.0  # a record of another machine older than this is stale
 REFRESH_SECONDS = 5.0  # how often the holder rewrites its record
@@ -94,7 +94,7 @@ class RunLock:
             os.close(fd)  # closing the descriptor releases the kernel lock too
             raise
         self._fd = fd
-        self._started_at = datetime.now().isoformat()
+        self._started_at = now_iso()
         self._write_record(held=True)
         self._stop.clear()
         self._thread = threading.Thread(target=self._keep_fresh, name="abr-run-lock", daemon=True)

@@ -13,6 +13,7 @@ from array import array
 from datetime import datetime
 
 from agent.usage import Spend, Usage
+from runner.timestamps import iso_of
 
 TIME_POINTS = 120  # points of the cumulative spend curve
 
@@ -56,7 +57,7 @@ class SpendTally:
         if not self.times:
             return None
         start = min(self.times)
-        return {"start": datetime.fromtimestamp(start).isoformat(timespec="seconds"), "start_epoch": start,
+        return {"start": iso_of(start, "seconds"), "start_epoch": start,
                 "points": spend_curve(self.times, self.costs)}
 
 

@@ -17,7 +17,6 @@ import re
 import tempfile
 import time
 from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,6 +27,7 @@ from runner.storage.runfiles import CheckpointError, CheckpointFile, read_checkp
 from runner.storage.runview import NO_WINNER, SPEND_BUCKETS, RowEntry, RunView, Selection, Spend
 from runner.input.secrets import redact_bytes
 from runner.storage.atomic import atomic_write_bytes, atomic_write_json, keep_mode, private_opener  # noqa: F401 (their home for callers)
+from runner.timestamps import now_iso
 
 BATCH_FILE = re.compile(r"^batch_(\d+)\.jsonl$")
 _OUTCOME_NAME = {rank: name for name, rank in OUTCOME_RANK.items()}
@@ -301,7 +301,7 @@ class RunStore:
                     "run_name": self.run_name,
                     "completed_prompts": completed,
                     "batch_stats": self.batch_stats,
-                    "last_updated": datetime.now().isoformat(),
+                    "last_updated": now_iso(),
                     "files": self.file_sizes,
                     # [outcome, prompt_index, failures] and, for a scored sample, whether it passed
                     "rows": {k: [_OUTCOME_NAME.get(e.rank, "none"), e.prompt_index, e.failures,

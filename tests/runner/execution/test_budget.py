@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import datetime
 
 import pytest
 
@@ -319,7 +320,7 @@ def test_spend_view_splits_by_model_retried_and_time(tmp_path):
     assert models["m"]["requests"] == 3 and models["m"]["cost"] is None  # one attempt unpriced: unknown, not 0.3
     assert models["m"]["unpriced_attempts"] == 1 and models["tool"]["cost"] == 0.3
     curve = tally.curve()
-    assert curve["start"] == "2026-12-01T10:00:10"
+    assert curve["start"] == datetime.fromisoformat("2026-12-01T10:00:10").astimezone().isoformat()  # with its offset
     assert curve["points"][0] == [0.0, 0.1] and curve["points"][-1] == [20.0, pytest.approx(0.6)]
     (tmp_path / "status_history.jsonl").write_text(
         json.dumps({"state": "stopped_budget", "spend": {"total_usd": 0.5}, "forecast": {"total_usd": 2.0},

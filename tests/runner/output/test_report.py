@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -188,7 +189,8 @@ def test_summary_tools_toolsets_histograms_and_time(hand_run):
     assert d["invocations"][0]["lines"] == 8 and d["invocations"][1]["lines"] == 1
     assert d["active_seconds"] == pytest.approx(72 + 2)  # 10:00:08..10:01:20, then 11:00:03..11:00:05
     assert d["span_seconds"] == pytest.approx(3595)  # first row 10:00:10, last 11:00:05
-    assert d["first_row_at"] == "2026-01-01T10:00:10" and d["last_row_at"] == "2026-01-01T11:00:05"
+    local = lambda text: datetime.fromisoformat(text).astimezone().isoformat()  # noqa: E731 (with its offset)
+    assert d["first_row_at"] == local("2026-01-01T10:00:10") and d["last_row_at"] == local("2026-01-01T11:00:05")
     assert d["invocation_count"] == 2 and d["active_seconds"] == s["statistics"]["duration_seconds"]
     assert s["fingerprint"] == "feedfacecafebeef" and s["config"]["distribution"] == "development"
 
