@@ -120,3 +120,14 @@ def test_the_readme_links_every_docs_page():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     for page in sorted((REPO / "docs").glob("*.md")):
         assert f"](docs/{page.name})" in readme, f"docs/{page.name} is not listed in the README (Where to read more)"
+
+
+def test_an_unknown_python_api_keyword_is_the_type_error_the_page_describes():
+    import pytest
+
+    from batch_runner import BatchRunner
+
+    page = (REPO / "docs" / "python-api.md").read_text(encoding="utf-8")
+    assert 'raises `TypeError`, naming the closest keyword: "did you mean num_workers?"' in " ".join(page.split())
+    with pytest.raises(TypeError, match="did you mean num_workers"):
+        BatchRunner(dataset_file="d.jsonl", batch_size=1, run_name="r", num_worker=2)
