@@ -131,3 +131,16 @@ def test_an_unknown_python_api_keyword_is_the_type_error_the_page_describes():
     assert 'raises `TypeError`, naming the closest keyword: "did you mean num_workers?"' in " ".join(page.split())
     with pytest.raises(TypeError, match="did you mean num_workers"):
         BatchRunner(dataset_file="d.jsonl", batch_size=1, run_name="r", num_worker=2)
+
+
+def test_a_resume_given_only_the_run_name_continues_with_the_recorded_configuration(tmp_path):
+    _with_prompts(tmp_path)
+    first = run_cli(["--dataset_file=data/example_prompts.jsonl", "--batch_size=5", "--run_name=r", "--model=mock",
+                     "--distribution=terminal_only", "--max_samples=2"], tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = run_cli(["--run_name=r", "--resume"], tmp_path)  # no model, dataset or key given
+    assert again.returncode == 0, again.stdout + again.stderr
+    rows = read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")
+    assert len(rows) == 12 and {row["metadata"]["model"] for row in rows} == {"mock"}  # --max_samples is not kept
+    page = " ".join((REPO / "docs" / "guarantees.md").read_text(encoding="utf-8").split())
+    assert "`--run_name=NAME --resume` alone continues the run as it was started" in page
