@@ -953,7 +953,8 @@ class BatchRunner:
         from runner.output.finalize import kept_lines
 
         try:
-            export_run(self.run_dir, lambda: kept_lines(view), self.config.export)
+            export_run(self.run_dir, lambda: kept_lines(view), self.config.export,
+                       ok_lines=lambda: kept_lines(view, selected_only=False))
         except ExportError as err:
             print(f"⚠️  Not exported: {err}")
 

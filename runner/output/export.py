@@ -236,18 +236,21 @@ def _write_jsonl(path: Path, lines: Iterable[dict]) -> int:
     return count
 
 
-def export_run(run_dir: Path, kept_lines, formats: list[str], log=print) -> dict[str, int]:
+def export_run(run_dir: Path, kept_lines, formats: list[str], log=print, ok_lines=None) -> dict[str, int]:
     """Write data/<run>/export/<format>.jsonl for each format and the dataset card; returns the
-    line count of each. `kept_lines()` yields the kept lines afresh on each call. A format that
-    cannot be made is refused (ExportError) before anything is written."""
+    line count of each. `kept_lines()` yields the kept lines afresh on each call; `ok_lines()` the
+    ok lines whatever --keep selected, which `dpo` pairs (a pair needs the worst sample too; the
+    kept lines when not given). A format that cannot be made is refused (ExportError) before
+    anything is written."""
     samples = list(kept_samples(kept_lines()))
-    if "dpo" in formats and not any(s.scored for s in samples):
+    scored = list(kept_samples(ok_lines())) if ok_lines is not None else samples
+    if "dpo" in formats and not any(s.scored for s in scored):
         raise ExportError(f"{run_dir}: --export=dpo needs scored samples (run with --samples_per_prompt=N, N >= 2, "
                           "and --scorer); this run has none")
     out = run_dir / EXPORT_DIR
     counts = {}
     for fmt in formats:
-        lines = (messages_line(s) for s in samples) if fmt == "messages" else dpo_lines(samples)
+        lines = (messages_line(s) for s in samples) if fmt == "messages" else dpo_lines(scored)
         counts[fmt] = _write_jsonl(out / f"{fmt}.jsonl", lines)
         log(f"   - Export: {EXPORT_DIR}/{fmt}.jsonl ({counts[fmt]:,} lines)")
     atomic_write_bytes(out / "README.md", dataset_card(run_dir, counts, samples).encode())
@@ -274,7 +277,7 @@ def dataset_card(run_dir: Path, counts: dict[str, int], samples: list[Sample]) -
         f"- Toolset distribution: `{config.get('distribution', '')}`",
         f"- Scorer: {', '.join(f'`{s}`' for s in scorers) if scorers else 'none (score 0.0, passed false)'}",
         "- Selection: the kept trajectories (those of trajectories.jsonl); `dpo`: the best and the worst "
-        "scored sample of each prompt whose scores differ",
+        "scored sample of each prompt whose scores differ, from every ok sample whatever --keep kept",
         f"- Config fingerprint: `{config_file.fingerprint}`",
         f"- Exported: {datetime.now(timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
         "",

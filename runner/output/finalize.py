@@ -41,12 +41,14 @@ def merge_run(run_dir: Path, key_to_index: Mapping[str, int], log=print, *, ids:
     return view
 
 
-def kept_lines(view: RunView) -> Iterator[bytes]:
+def kept_lines(view: RunView, *, selected_only: bool = True) -> Iterator[bytes]:
     """The kept samples' winning lines in trajectories.jsonl's order (by current prompt_index, then
     sample), each with the row's current position and id: the lines of trajectories.jsonl, and
-    what exports read. Kept: ok once the quality filters are applied, and selected by --keep."""
+    what exports read. Kept: ok once the quality filters are applied, and selected by --keep
+    (`selected_only=False`: whatever --keep selected, as preference pairs need every sample)."""
     ok_rows = sorted((index, entry.sample, row_id, entry) for key, entry in view.rows.items()
-                     if entry.rank == OK_RANK and entry.selected for index, row_id in (view.current(key),))
+                     if entry.rank == OK_RANK and (entry.selected or not selected_only)
+                     for index, row_id in (view.current(key),))
     handles = {}
     try:
         for index, _sample, row_id, winner in ok_rows:
@@ -99,7 +101,8 @@ def export_run_dir(run_dir: Path, formats: list[str], log=print) -> dict[str, in
             f"--export selects the rows of the run's dataset, and {config.get('dataset_file')!r} "
             f"(dataset_file in {run_dir / 'config.json'}) cannot be read; put it back and run --export again")
     view = read_run(batch_files(run_dir), RunView(dataset, ids=ids, tally=False, log=log, selection=Selection.of(config)))
-    return export_run(run_dir, lambda: kept_lines(view), formats, log=log)
+    return export_run(run_dir, lambda: kept_lines(view), formats, log=log,
+                      ok_lines=lambda: kept_lines(view, selected_only=False))
 
 
 def _write_trajectories(run_dir: Path, lines: Iterator[bytes]) -> None:

@@ -219,3 +219,16 @@ def test_dpo_pairs_the_best_and_the_worst_sample_of_each_prompt():
                       "rejected": [{"role": "assistant", "content": "Lyon.", "reasoning_content": ""}],
                       "tools": "[]", "id": "q0", "score_chosen": 1.0, "score_rejected": 0.0}]
     assert list(dpo_lines([_sample(3, 0, 0.0, "a", scored=False), _sample(3, 1, 1.0, "b", scored=False)])) == []
+
+
+@pytest.mark.parametrize("keep", ["best", "passing"])
+def test_dpo_pairs_come_from_every_scored_sample_whatever_keep_selected(tmp_path, model_server, remote_args, keep):
+    rows = [{"prompt": "@answers right|wrong|right|wrong\nQuestion one.", "target": "right"}]
+    proc = _run(tmp_path, "k", rows, remote_args, "--samples_per_prompt=4", "--scorer=includes", f"--keep={keep}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_cli(["--export=dpo", "--run_name=k"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pairs = read_jsonl(tmp_path / "data" / "k" / "export" / "dpo.jsonl")
+    assert len(pairs) == 1, proc.stdout
+    assert "right" in pairs[0]["chosen"][-1]["content"] and "wrong" in pairs[0]["rejected"][-1]["content"]
+    assert (pairs[0]["score_chosen"], pairs[0]["score_rejected"]) == (1.0, 0.0)
