@@ -11,7 +11,6 @@ decided, so an interrupted compression resumes where it stopped.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from runner.compress.rows import InputRow, read_rows, sample
 from runner.compress.summariser import Summariser, SummaryFailed
 from runner.compress.tokens import TokenCounter
 from runner.input import secrets
+from runner.storage.atomic import atomic_write_bytes
 
 ATTEMPTS = 4  # a summary request and 3 retries (the model client backs off between them)
 FATAL_FAILURES = ("auth", "quota", "connection")  # the endpoint cannot serve any row: stop
@@ -249,15 +249,8 @@ def _entry_output(entry: Entry) -> tuple[bytes, dict]:
 
 
 def _write_atomically(path: Path, lines) -> None:
-    """The whole file or nothing: written beside it, fsynced, then renamed over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(temporary, "wb") as handle:
-        for line in lines:
-            handle.write(line + b"\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    """The whole file or nothing, private like every file the runner creates."""
+    atomic_write_bytes(path, b"".join(line + b"\n" for line in lines))
 
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import orjson
 
+from runner.storage.atomic import private_opener
+
 JOURNAL_SUFFIX = ".progress"
 FSYNC_EVERY = 1.0  # seconds
 
@@ -75,7 +77,7 @@ class Journal:
             journal._read(fingerprint)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "wb") as handle:
+            with open(path, "wb", opener=private_opener) as handle:
                 handle.write(orjson.dumps({"fingerprint": fingerprint}) + b"\n")
                 handle.flush()
                 os.fsync(handle.fileno())

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 from runner.compress import metrics as m
 from runner.compress.compressor import Compressor, FileResult
 from runner.console import plural, progress
+from runner.storage.atomic import atomic_write_bytes
 
 
 @dataclass
@@ -45,9 +45,7 @@ def compress_files(compressor: Compressor, pairs: list[tuple[Path, Path]]) -> Ou
                                     estimated=counter.estimated, options=compressor.options.model_dump(mode="json"),
                                     duration=time.monotonic() - started, summarising=compressor.summarising_seconds)
     path = compressor.metrics_path
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    temporary.write_text(json.dumps(outcome.summary, indent=2) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    atomic_write_bytes(path, (json.dumps(outcome.summary, indent=2) + "\n").encode("utf-8"))
     return outcome
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -63,6 +64,7 @@ def test_an_interrupted_compression_resumes_without_paying_twice(work, how):
         while len(journal_rows(work)) < 2 and time.monotonic() < deadline and process.poll() is None:
             time.sleep(0.05)
         assert len(journal_rows(work)) >= 2, process.communicate(timeout=30)
+        assert stat.S_IMODE((work / "runs_compressed.jsonl.progress").stat().st_mode) == 0o600
         process.send_signal(how)
         out, err = process.communicate(timeout=60)
         if how == signal.SIGINT:
@@ -88,6 +90,8 @@ def test_an_interrupted_compression_resumes_without_paying_twice(work, how):
     assert all(r["compression_metrics"]["status"] == "compressed" for r in output)
     metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
     assert metrics["rows_resumed"] == len(done)
+    for name in ("runs_compressed.jsonl", "runs_compressed.metrics.json"):  # private, as every file the runner writes
+        assert stat.S_IMODE((work / name).stat().st_mode) == 0o600, name
     assert metrics["summariser"]["requests"] >= first_requests  # the earlier invocation's spend counts too
     assert not (work / "runs_compressed.jsonl.progress").exists()
 

@@ -4,6 +4,7 @@ real CLI against the scripted server (which is also the summariser: the run's en
 from __future__ import annotations
 
 import json
+import stat
 
 from tests.conftest import SECRET_KEY, read_jsonl, run_cli, write_jsonl
 
@@ -38,6 +39,8 @@ def test_a_run_writes_its_compressed_trajectories_beside_the_uncompressed_ones(t
         assert {k: v for k, v in after.items() if k not in ("conversations", "compression_metrics")} == \
                {k: v for k, v in before.items() if k != "conversations"}
     metrics = json.loads((run_dir / "trajectories_compressed.metrics.json").read_text())
+    for name in ("trajectories_compressed.jsonl", "trajectories_compressed.metrics.json"):
+        assert stat.S_IMODE((run_dir / name).stat().st_mode) == 0o600, name  # private, as every file of a run
     asked = summary_requests(model_server)
     assert metrics["summariser"]["requests"] == len(asked) == 3
     assert all(r.body["model"] == "test-model" and r.headers["authorization"] == f"Bearer {SECRET_KEY}" for r in asked)
