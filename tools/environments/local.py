@@ -408,13 +408,14 @@ def host_sockets_in(folders: tuple[str, ...]) -> list[str]:
 
 
 def clear_set_id_bits(top: str) -> None:
-    """Remove the setuid and setgid bits of every file under `top` (not following symlinks)."""
-    for folder, _dirs, files in os.walk(top):
-        for name in files:
+    """Remove the setuid and setgid bits of every file and folder under `top` (not following
+    symlinks): a setgid folder would hand its group to whatever is later made in it."""
+    for folder, dirs, files in os.walk(top):
+        for name in dirs + files:
             path = os.path.join(folder, name)
             try:
                 mode = os.lstat(path).st_mode
-                if stat.S_ISREG(mode) and mode & (stat.S_ISUID | stat.S_ISGID):
+                if (stat.S_ISREG(mode) or stat.S_ISDIR(mode)) and mode & (stat.S_ISUID | stat.S_ISGID):
                     os.chmod(path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
             except OSError:
                 pass

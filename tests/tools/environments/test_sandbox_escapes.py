@@ -109,7 +109,7 @@ def test_sandboxed_commands_leave_nothing_setuid_or_owned_by_root_and_cannot_rea
     workdirs.mkdir()
     commands = [
         "cp /bin/sh ./rootsh && chmod 4755 ./rootsh && mkdir -p sub && cp /bin/sh sub/gsh && chmod 2755 sub/gsh; "
-        "ls -ln rootsh",
+        "mkdir gdir && chmod 2777 gdir; ls -ln rootsh",
         # As root, commands are nobody: they cannot signal the sandbox's own processes either.
         ("kill -9 1 2 2>/dev/null; " if os.geteuid() == 0 else "") + "id -u; id -g",
         "head -c 20 /etc/shadow && echo READ_SHADOW; ls /root && echo LISTED_ROOT",
@@ -129,8 +129,8 @@ def test_sandboxed_commands_leave_nothing_setuid_or_owned_by_root_and_cannot_rea
     assert "by the file tool" in results[5]["content"]  # the file tools still work inside
 
     kept = [os.path.join(root, name) for root, dirs, files in os.walk(workdirs) for name in dirs + files]
-    made = [p for p in kept if os.path.basename(p) in ("rootsh", "gsh", "sub", "written.txt", "locked")]
-    assert len(made) == 5, kept
+    made = [p for p in kept if os.path.basename(p) in ("rootsh", "gsh", "sub", "gdir", "written.txt", "locked")]
+    assert len(made) == 6, kept
     for path in made:
         info = os.lstat(path)
         assert not info.st_mode & (stat.S_ISUID | stat.S_ISGID), path
