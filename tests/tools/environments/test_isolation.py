@@ -125,6 +125,10 @@ def test_commands_in_the_sandbox_have_no_capabilities_and_cannot_remount_the_hos
         remount,
         f"unshare -m sh -c '{remount}'",
         "echo 1 > /proc/sys/vm/drop_caches && echo WROTE_PROC_SYS; echo x > /proc/sys/kernel/core_pattern && echo WROTE_PROC_SYS",
+        # A user and mount namespace of its own may be made (a tmpfs in it is its own affair), but
+        # what the sandbox shows read-only stays so in it, and the host's / cannot be bound.
+        "unshare -Urm sh -c 'mount -t tmpfs x /tmp && echo OWN_TMPFS; mount -o remount,rw /usr && echo REMOUNTED_USR; "
+        "mount --bind / /tmp && ls /tmp/root >/dev/null && echo BOUND_HOST_ROOT'",
     ]
     prompt = "\n".join([*(f"@tool terminal {json.dumps({'command': c})}" for c in commands),
                         '@tool read_file {"path": "/proc/self/status"}', "Escape."])
@@ -140,7 +144,8 @@ def test_commands_in_the_sandbox_have_no_capabilities_and_cannot_remount_the_hos
         assert os.uname().nodename not in caps.split("\n")  # its own UTS namespace
         assert "WROTE_HOST_FILE" not in json.dumps(results) and not os.path.exists(escape)
         assert "WROTE_PROC_SYS" not in results[3]["output"]
-        assert "CapEff:\t0000000000000000" in results[4]["content"]  # the file tools drop them too
+        assert "REMOUNTED_USR" not in results[4]["output"] and "BOUND_HOST_ROOT" not in results[4]["output"], results[4]
+        assert "CapEff:\t0000000000000000" in results[5]["content"]  # the file tools drop them too
     finally:
         if os.path.exists(escape):
             os.remove(escape)
