@@ -170,7 +170,7 @@ class LocalEnvironment(Backend):
             "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent",
             *_system_mounts(), *dev, "--proc", "/proc", *read_only_proc, *covered,
             "--perms", "1777", "--tmpfs", "/tmp", "--dir", "/var", "--perms", "1777", "--tmpfs", "/var/tmp",
-            "--dir", "/run", *_folders_leading_to(top), "--bind", top, top,
+            "--dir", "/run", *_hide_host_folders_above(top), *_folders_leading_to(top), "--bind", top, top,
             "--clearenv", *(arg for name, value in _sandbox_env().items() for arg in ("--setenv", name, value)),
             # The holder keeps the runner's uid (without capabilities), so that a command, which
             # runs as nobody when the runner is root, cannot signal it.
@@ -378,6 +378,17 @@ def _system_mounts() -> list[str]:
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
     return args
+
+
+def _hide_host_folders_above(path: str) -> list[str]:
+    """bwrap arguments that put an empty tmpfs over the first folder below a system folder on the
+    way to `path` (TMPDIR in /opt, say): else the host's folders there, the session's own 0700
+    one among them, would show through the read-only bind, closed to the sandbox's user."""
+    for system in _SYSTEM_DIRS:
+        if not os.path.islink(system) and path.startswith(system + "/"):
+            first = os.path.join(system, path[len(system) + 1:].split("/", 1)[0])
+            return ["--perms", "0755", "--tmpfs", first]
+    return []
 
 
 def _folders_leading_to(path: str) -> list[str]:

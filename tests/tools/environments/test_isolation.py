@@ -233,3 +233,25 @@ print("OK")
         for s in seconds:
             for pid in _alive_with_argument(s):
                 os.kill(pid, signal.SIGKILL)
+
+
+@needs_bwrap
+@pytest.mark.skipif(not os.access("/opt", os.W_OK), reason="needs a folder of its own in /opt")
+def test_a_tmpdir_inside_a_folder_the_sandbox_shows_read_only_still_works(model_server, tmp_path):
+    # /opt is shown read-only in the sandbox: the session's 0700 folder must not show through it.
+    root = f"/opt/abr-tmp-{uuid.uuid4().hex[:8]}"
+    os.makedirs(root)
+    try:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": _prompt_of("echo inside > f && cat f && pwd")}])
+        proc = run_cli(_args(dataset, model_server, "--sandbox=bwrap"), tmp_path, env={"TMPDIR": root})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        (row,) = read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")
+        (result,) = _tool_results(row)
+        assert result["exit_code"] == 0 and result["output"].startswith(f"inside\n{root}/"), result
+        assert os.listdir(root) == []  # the session's folder is removed
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _prompt_of(command: str) -> str:
+    return f"@tool terminal {json.dumps({'command': command})}\nRun it."
