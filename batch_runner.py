@@ -916,7 +916,7 @@ class BatchRunner:
         config = self.config
         # the scope decides what the budget counts; only a budget counts unknown costs at the mean
         spend = LiveSpend(scope=config.max_cost_scope, estimate_unknown=config.max_cost is not None,
-                          before=store.spent())  # what earlier invocations committed, kept by the run view
+                          prices_given=config.prices is not None, before=store.spent())  # what earlier invocations committed, kept by the run view
         units = self._units(scan)[0]
         kept = sum(1 for key in units if store.outcome(key) == "ok")
         budget = Budget(config.max_cost, config.max_cost_hard, spend) if config.max_cost is not None else None

@@ -163,15 +163,21 @@ class Spend:
     """Usage summed over attempts, with how many of them (that made requests) had a known cost.
 
     The one rule again: the spend's `cost` is unknown (None) as soon as one attempt's is; its
-    `known_cost` sums the attempts whose cost is known (`usage.cost` holds it)."""
+    `known_cost` sums every known request cost (`usage.cost` holds it), those of the attempts
+    whose cost is unknown included: a lower bound of the total."""
 
     usage: Usage = field(default_factory=Usage)
     attempts: int = 0
     priced: int = 0  # attempts that made requests and have a known cost
     unpriced: int = 0  # attempts that made requests and whose cost is unknown
-    priced_requests: int = 0  # requests of the attempts with a known cost (for a mean request cost)
+    priced_requests: int = 0  # requests with a known cost (for a mean request cost)
+    priced_cost: float | None = None  # the cost of the attempts whose cost is known (None: all of usage.cost)
     duration_seconds: float = 0.0
     cost_squares: float = 0.0  # sum of the squared known attempt costs, for their spread
+
+    def __post_init__(self) -> None:
+        if self.priced_cost is None:  # built from sums alone: only the priced attempts' cost is known
+            self.priced_cost = 0.0 if self.unpriced else self.usage.cost
 
     def add(self, usage: Usage, duration: float | None = None) -> None:
         """One attempt."""
@@ -181,15 +187,15 @@ class Spend:
         for name in TOKEN_FIELDS:
             setattr(self.usage, name, getattr(self.usage, name) + getattr(usage, name))
         self.usage.unpriced_requests += usage.unpriced_requests
+        self.usage.cost += usage.cost  # the known part, even of an attempt whose cost is unknown
+        self.priced_requests += max(0, usage.requests - usage.unpriced_requests)
         cost = usage.known_cost
-        if cost is not None:  # an attempt's known part alone is no cost: the attempt is counted unpriced
-            self.usage.cost += cost
         if usage.requests:
             if cost is None:
                 self.unpriced += 1
             else:
                 self.priced += 1
-                self.priced_requests += usage.requests
+                self.priced_cost += cost
                 self.cost_squares += cost * cost
         if duration:
             self.duration_seconds += duration
@@ -200,6 +206,7 @@ class Spend:
         self.priced += other.priced
         self.unpriced += other.unpriced
         self.priced_requests += other.priced_requests
+        self.priced_cost += other.priced_cost
         self.duration_seconds += other.duration_seconds
         self.cost_squares += other.cost_squares
         return self
@@ -211,7 +218,7 @@ class Spend:
 
     @property
     def known_cost(self) -> float:
-        """The known part: the cost of the attempts whose cost is known (a lower bound)."""
+        """The known part: every request cost that is known (a lower bound of the total)."""
         return self.usage.cost
 
     @property
@@ -220,7 +227,7 @@ class Spend:
         return self.priced + self.unpriced
 
     def mean_cost(self) -> float | None:
-        return self.usage.cost / self.priced if self.priced else None
+        return self.priced_cost / self.priced if self.priced else None
 
     # --- as data ------------------------------------------------------------------------------
 
@@ -231,6 +238,8 @@ class Spend:
             "attempts": self.attempts,
             **{name: getattr(usage, name) for name in COUNT_FIELDS},
             "cost": None if self.cost is None else round(self.cost, 6),
+            "known_cost": round(self.known_cost, 6),  # at least this much was spent
+            "unpriced_requests": usage.unpriced_requests,
             "unpriced_attempts": self.unpriced,
             "priced_attempts": self.priced,
             "cache_hit_ratio": round(usage.cached_tokens / usage.prompt_tokens, 4) if usage.prompt_tokens else None,
@@ -246,13 +255,18 @@ class Spend:
 
     def cache_form(self) -> dict:
         """The exact sums, for a cache (cost kept as a number even when some are unknown)."""
-        return {**self.as_dict(), "cost_sum": self.usage.cost}
+        return {**self.as_dict(), "cost_sum": self.usage.cost, "priced_cost_sum": self.priced_cost,
+                "priced_requests": self.priced_requests}
 
     @classmethod
     def from_cache(cls, data: Mapping[str, Any]) -> Spend:
         usage = Usage(**{name: int(data.get(name) or 0) for name in COUNT_FIELDS},
-                      cost=float(data.get("cost_sum", data.get("cost")) or 0.0))
+                      cost=float(data.get("cost_sum", data.get("cost")) or 0.0),
+                      unpriced_requests=int(data.get("unpriced_requests") or 0))
         unpriced = int(data.get("unpriced_attempts") or 0)
+        # a cache written before the known part was kept apart: its cost_sum is the priced attempts'
+        requests = data.get("priced_requests", 0 if unpriced else usage.requests)
         return cls(usage=usage, attempts=int(data.get("attempts") or 0), priced=int(data.get("priced_attempts") or 0),
-                   unpriced=unpriced, priced_requests=0 if unpriced else usage.requests,  # not cached: the likely figure
+                   unpriced=unpriced, priced_requests=int(requests or 0),
+                   priced_cost=float(data.get("priced_cost_sum", usage.cost) or 0.0),
                    duration_seconds=float(data.get("duration_seconds") or 0.0))

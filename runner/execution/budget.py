@@ -144,15 +144,17 @@ class Budget:
                     "enforced.\n   To continue: run again with --resume and --price_input_per_mtok / "
                     "--price_output_per_mtok (USD per million tokens).")
         where = "across this run's invocations" if scope == "run" else "in this invocation"
-        about = " (an estimate)" if self.spend.estimated_attempts else ""
+        unknown = self.spend.unpriced_requests()
+        about = " (an estimate)" if unknown else ""
         lines = [f"💸 Stopped at the cost budget: ${spent:.4f}{about} spent {where} of --max_cost=${self.limit:g}."]
         if self.cancelled:
             lines.append(f"   {self.cancelled} row(s) in flight were cancelled (--max_cost_hard); what they had "
                          "spent is in these figures (a request cut off without its reply at the mean request "
                          "cost), and they run again on resume.")
-        if self.spend.estimated_attempts:
-            lines.append(f"   {self.spend.estimated_attempts} attempt(s) reported no cost and were counted at the mean "
-                         "attempt cost (the budget must decide; statistics.json says the cost is unknown).")
+        if unknown:
+            lines.append(f"   {unknown} request(s) of unknown cost (no reply, e.g. timed out, or no cost reported) were "
+                         "counted at the mean request cost (an estimate: the budget must decide; statistics.json "
+                         "says the cost is unknown).")
         hint = f"; the forecast for every row is up to ${forecast_high:.4f}" if forecast_high else ""
         lines.append(f"   To continue: run the same command with --resume --max_cost=HIGHER (more than {spent:.4f}{hint}).")
         return "\n".join(lines)

@@ -3,10 +3,10 @@
 Everything here is fed by the parent (never by reading files back): by its commit loop, and by the
 workers' reports of each request's usage as it completes, so it costs a few additions per request.
 Spend is what committed attempts cost, kept or not, plus what the rows in flight have spent so far.
-When an attempt's cost is unknown (no reported cost, no price, a request that got no reply), the
-total is unknown ("at least" the known part), never $0 and never a guess; only under a budget
-(--max_cost) is such an attempt counted at the mean attempt cost (a request in flight at the mean
-request cost), for the budget's decision, and every figure made so is labelled an estimate. Under
+When a request's cost is unknown (no reported cost and no price, or no reply), the total is unknown
+("at least" the known part, which sums every known request cost), never $0 and never a guess; only
+under a budget (--max_cost) is such a request counted at the mean cost of the requests whose cost
+is known, for the budget's decision, and every figure made so is labelled an estimate. Under
 a budget the workers ask before each request, and none is sent once the known spend reaches it.
 
 status.json is rewritten atomically every few seconds while the run lives and once more at its end
@@ -25,6 +25,7 @@ from pathlib import Path
 
 
 from agent.usage import Spend, Usage
+from runner.console import plural
 from runner.storage.runview import Selection, quality_outcome
 from runner.storage.records import fields_of
 from runner.storage.runfiles import append_status_history, write_status
@@ -42,9 +43,10 @@ class LiveSpend:
     invocations committed, `now`: this invocation), and the rows in flight, request by request."""
 
     scope: str = "run"  # run | invocation: what `budget_cost` covers
-    # Under a budget, attempts without a cost count at the mean attempt cost in every total (and
+    # Under a budget, requests of unknown cost count at the mean request cost in every total (and
     # the figures say they are an estimate); without one, a total with such attempts is unknown.
     estimate_unknown: bool = False
+    prices_given: bool = False  # --price_* flags: a request of unknown cost is one that got no reply
     before: Spend = field(default_factory=Spend)
     now: Spend = field(default_factory=Spend)
     # Rows in flight: their usage so far as the workers report it request by request, and how
@@ -93,7 +95,7 @@ class LiveSpend:
 
     def mean_attempt_cost(self) -> float | None:
         attempts = self.now.priced + self.before.priced
-        return (self.now.known_cost + self.before.known_cost) / attempts if attempts else None
+        return (self.now.priced_cost + self.before.priced_cost) / attempts if attempts else None
 
     def mean_attempt_duration(self) -> float | None:
         attempts = self.now.spent_attempts
@@ -104,20 +106,23 @@ class LiveSpend:
         """Attempts of the whole run without a known cost (under a budget: counted at the mean)."""
         return self.now.unpriced + self.before.unpriced
 
+    def unpriced_requests(self) -> int:
+        """Requests of the whole run whose cost is unknown (committed, and ended in flight)."""
+        return self.now.usage.unpriced_requests + self.before.usage.unpriced_requests + self.flight_unknown()
+
     def _total(self, before: bool, estimate: bool) -> float | None:
         known = self.now.known_cost + (self.before.known_cost if before else 0.0) + self.flight_known()
-        unknown = self.now.unpriced + (self.before.unpriced if before else 0)
+        unknown = self.now.usage.unpriced_requests + (self.before.usage.unpriced_requests if before else 0)
         in_flight = self.flight_unknown()
-        if not unknown and not in_flight:
+        if not unknown and not in_flight and not self.now.unpriced and not (before and self.before.unpriced):
             return known
         if not estimate:
             return None
-        if in_flight:
-            known += in_flight * (self.mean_request_cost() or 0.0)
-        if not unknown:
-            return known
-        mean = self.mean_attempt_cost()
-        return None if mean is None else known + unknown * mean
+        # every request of unknown cost at the mean cost of the requests whose cost is known
+        mean = self.mean_request_cost()
+        if mean is None:
+            return None if unknown else known
+        return known + (unknown + in_flight) * mean
 
     def total(self) -> float | None:
         """Spend of the whole run (every invocation); None when it is unknown (an attempt without a
@@ -146,7 +151,7 @@ class LiveSpend:
         n = self.now.priced
         if n < 2:
             return None
-        mean = self.now.known_cost / n
+        mean = self.now.priced_cost / n
         return math.sqrt(max(0.0, (self.now.cost_squares - n * mean * mean) / (n - 1)))
 
 
@@ -385,6 +390,7 @@ class RunMonitor:
                 "per_kept_row_usd": _round(measured.per_kept_row) if measured else None,
                 "attempts_priced": spend.now.priced + spend.before.priced,
                 "attempts_unpriced": spend.estimated_attempts,
+                "requests_unpriced": spend.unpriced_requests(),  # requests of unknown cost
                 "requests": spend.requests(),  # every request sent: committed rows' and those in flight
             },
             "budget": None if self.budget_limit is None else {
@@ -407,11 +413,13 @@ class RunMonitor:
     def spend_line(self, snapshot: dict | None = None) -> str:
         s = snapshot or self.snapshot("running")
         spend, rows, outlook = s["spend"], s["rows"], s["forecast"]
-        if spend["total_usd"] is None and not spend["attempts_priced"]:
+        if spend["total_usd"] is None and not spend["known_usd"] and not self.spend.prices_given:
             return "💰 Spend: unknown (the endpoint reports no cost and no --price_* flags were given)"
         if spend["total_usd"] is None:
+            why = ("without a reply, e.g. timed out" if self.spend.prices_given
+                   else "without a reply, or a reply without a cost and no --price_* flags")
             text = (f"💰 Spent at least {money(spend['known_usd'])} (total unknown: "
-                    f"{spend['attempts_unpriced']} attempt(s) without a cost)")
+                    f"{plural(spend['requests_unpriced'], 'request')} of unknown cost: {why})")
         elif spend["estimated"]:
             text = f"💰 Spent about {money(spend['total_usd'])} (estimate)"
         else:
@@ -429,8 +437,8 @@ class RunMonitor:
         if s["eta_seconds"] is not None:
             text += f", ETA {duration_text(s['eta_seconds'])}"
         if spend["estimated"]:
-            text += (f" [estimate: {spend['attempts_unpriced']} attempt(s) without a cost counted at the mean "
-                     "attempt cost, for --max_cost]")
+            text += (f" [estimate: {plural(spend['requests_unpriced'], 'request')} of unknown cost counted at the "
+                     "mean request cost, for --max_cost]")
         return text
 
     def write_status(self, state: str) -> dict:

@@ -138,3 +138,35 @@ def test_the_budget_stops_every_worker_sending_once_the_known_spend_reaches_it(t
     assert stats["cost"] == pytest.approx(received * COST)
     cut = [r for r in lines if r.get("failed")]
     assert cut and all(r["error_class"] == "budget" for r in cut)
+
+
+def _cut_off_rows(count: int) -> list[dict]:
+    """Rows whose third request is cut off by --prompt_timeout=2.5 (two replies of known cost first)."""
+    tools = '@tool terminal {"command": "echo 1"}\n@tool terminal {"command": "echo 2"}\n'
+    return [{"prompt": f"@cost {COST}\n@latency 1\n{tools}Partly known {i}."} for i in range(count)]
+
+
+def test_the_known_part_of_a_spend_with_cut_off_requests_is_summed_and_shown(tmp_path, model_server):
+    proc = _start(tmp_path, model_server, _cut_off_rows(4), "--prompt_timeout=2.5", "--num_workers=4")
+    out, err = _finish(proc)
+    stats, status, lines = _figures(tmp_path)
+    assert len(lines) == 4 and model_server.count() == 12, out + err
+    known = sum(line["metadata"]["usage"]["cost"] for line in lines)
+    assert all(line["metadata"]["usage"]["unpriced_requests"] == 1 for line in lines)
+    assert status["spend"]["known_usd"] == pytest.approx(known) and known == pytest.approx(8 * COST)
+    assert status["spend"]["total_usd"] is None and stats["cost"] is None  # the total stays unknown
+    assert stats["spend"]["all"]["known_cost"] == pytest.approx(known)
+    assert f"at least ${known:.4f}" in out and "4 requests of unknown cost" in out, out
+    assert "no --price_* flags were given" not in out and "without a reply" in out, out
+
+
+def test_a_request_cut_off_by_the_timeout_does_not_halt_a_budgeted_run(tmp_path, model_server):
+    proc = _start(tmp_path, model_server, _cut_off_rows(6), "--prompt_timeout=2.5", "--num_workers=2",
+                  "--max_cost=0.05")
+    out, err = _finish(proc)
+    assert "cannot be enforced" not in out + err and "could not be enforced" not in out + err, out + err
+    assert "Stopped at the cost budget" in err and "(an estimate)" in err, out + err
+    stats, status, lines = _figures(tmp_path)
+    # each row: $0.02 known, and its cut-off request at the mean request cost ($0.01), an estimate
+    assert lines and status["budget"]["counted_usd"] == pytest.approx(len(lines) * 3 * COST), out + err
+    assert status["spend"]["known_usd"] == pytest.approx(len(lines) * 2 * COST) and status["spend"]["estimated"]

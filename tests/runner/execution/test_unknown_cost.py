@@ -1,6 +1,6 @@
 """Without --max_cost, a cost that is unknown stays unknown everywhere: the console, status.json and
 statistics.json never put a dollar figure on it (the known part is "at least"). Only a budget
-counts such attempts at the mean attempt cost, and then says it is an estimate."""
+counts each request of unknown cost at the mean request cost, and then says it is an estimate."""
 
 from __future__ import annotations
 
@@ -42,11 +42,16 @@ def test_without_a_budget_an_unknown_cost_is_never_given_a_figure(tmp_path, mode
     assert spend["total_usd"] is None and spend["this_invocation_usd"] is None and spend["per_kept_row_usd"] is None
     assert spend["estimated"] is False and spend["attempts_unpriced"] == 1
     lines = [r for p in sorted(run_dir.glob("batch_*.jsonl")) for r in map(json.loads, p.read_text().splitlines())]
-    priced = [r["metadata"]["usage"]["cost"] for r in lines if not r["metadata"]["usage"]["unpriced_requests"]]
-    assert spend["known_usd"] == pytest.approx(sum(priced)) and spend["known_usd"] > 0  # at least this much
+    # the known part: every known request cost, those of the line that also has an unknown one included
+    known = [r["metadata"]["usage"]["cost"] for r in lines]
+    assert spend["known_usd"] == pytest.approx(sum(known)) and spend["known_usd"] > 0  # at least this much
+    assert stats["spend"]["all"]["known_cost"] == pytest.approx(sum(known))
     assert status["forecast"] is None and status["budget"] is None
     assert "counted at the mean" not in proc.stdout
-    assert f"Spent at least ${spend['known_usd']:.4f} (total unknown: 1 attempt(s) without a cost)" in proc.stdout
+    unknown = sum(r["metadata"]["usage"]["unpriced_requests"] for r in lines)
+    noun = "request" if unknown == 1 else "requests"
+    assert (f"Spent at least ${spend['known_usd']:.4f} (total unknown: {unknown} {noun} of unknown cost: "
+            "without a reply, or a reply without a cost and no --price_* flags)") in proc.stdout
 
 
 def test_under_a_budget_an_unknown_cost_counts_at_the_mean_as_an_estimate():
@@ -56,7 +61,8 @@ def test_under_a_budget_an_unknown_cost_counts_at_the_mean_as_an_estimate():
     budget = Budget(1.0, hard=False, spend=spend)
     assert not budget.may_start() and budget.unmeasurable and "could not be enforced" in budget.stop_message("run")
     spend.add(Usage.read({"requests": 2, "cost": 0.3}), 1.0)
-    assert spend.total() == pytest.approx(0.6) and spend.is_estimate and spend.known_total() == pytest.approx(0.3)
+    # the request of unknown cost at the mean known request cost: 0.3 + 0.15
+    assert spend.total() == pytest.approx(0.45) and spend.is_estimate and spend.known_total() == pytest.approx(0.3)
     assert "(an estimate)" in Budget(0.5, hard=False, spend=spend).stop_message("run")
 
     plain = LiveSpend()  # no budget: the same attempts make the total unknown, the budget figure still estimates
