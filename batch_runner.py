@@ -554,6 +554,7 @@ class BatchRunner:
         self._phase = "starting"  # starting -> dispatch -> finishing: what a Ctrl-C interrupts
         self._bar = None
         self._monitor = None  # runner.output.status.RunMonitor of this invocation
+        self._store = None  # runner.storage.store.RunStore once the run directory is ready
         self._failed_images: dict[str, str] = {}  # image -> why it cannot be used (the backend's check)
         self._streaks: dict[str, int] = {}  # failure class -> rows in a row that failed with it
         self._passed: dict[str, int] = {}  # row key -> its committed samples that passed
@@ -644,6 +645,7 @@ class BatchRunner:
                 clean_run_leftovers(self.run_dir, self.log)  # what a killed invocation left behind
                 self._prepare_run_dir()
                 store = RunStore(self.run_dir, config.run_name, config.batch_size, Selection.of(config))
+                self._store = store  # a second Ctrl-C commits the rows in flight through it
                 return self._run_locked(scan, store, executor, unavailable)
             except OSError as err:  # a write of the merge, statistics, config...: name the path
                 if err.errno in STORAGE_ERRNOS:
@@ -1143,6 +1145,22 @@ class BatchRunner:
             self._bar = None
         return committed
 
+    def _commit_at_quit(self, executor) -> None:
+        """Quitting at once: the rows in flight are committed as failed attempts with what their
+        workers last reported spending (one append and fsync, no waiting for a worker), and
+        status.json says the run was interrupted, so every request already sent is counted."""
+        store, monitor = self._store, self._monitor
+        if store is None or monitor is None or store.writing:  # a commit cut mid-line: leave the file whole
+            return
+        try:
+            records = executor.abandoned("quit at once: the run was interrupted a second time", "interrupted")
+            if records:
+                store.commit(records)
+                monitor.on_commit(records)
+            monitor.close("interrupted")
+        except Exception as err:  # quitting at once must still quit: what was fsynced stays committed
+            print(f"⚠️  Could not record the rows in flight: {err}", file=sys.stderr, flush=True)
+
     def _commit_abandoned(self, store, executor, error: str, error_class: str) -> int:
         """The rows given up in flight: what they spent is committed (as failed attempts, run again
         on resume), so every request sent is in the figures."""
@@ -1280,6 +1298,7 @@ class BatchRunner:
                     self.log("\n⏸️  Stopping: no prompt will be started. Press Ctrl-C again to quit at once.")
                 return
             executor.terminate()
+            self._commit_at_quit(executor)
             print("\n⏹️  Quit at once; committed rows are safe. Run again with --resume.", file=sys.stderr, flush=True)
             os._exit(EXIT_INTERRUPTED)
 

@@ -116,6 +116,7 @@ class RunStore:
         self.run_dir = run_dir
         self.run_name = run_name
         self.batch_size = batch_size
+        self.writing = False  # inside commit: a line or the checkpoint is being written
         self.checkpoint_path = run_dir / "checkpoint.json"
         # The store needs no selection among samples (--keep is the merge's): only the filters.
         self.selection = Selection(discard_no_reasoning=selection.discard_no_reasoning)
@@ -230,6 +231,7 @@ class RunStore:
             return
         # Every record is checked against its model before any is written (RecordError otherwise).
         models = [validate_record(record) for record in records]
+        self.writing = True  # a signal handler must not append while a line is half written
         try:
             for record, model in zip(records, models):
                 key = model.metadata.row_key
@@ -251,8 +253,14 @@ class RunStore:
             self._view_diverged = True
             path = self._abandon_batch_file()
             raise StorageError(path or self.run_dir, err) from err
+        finally:
+            self.writing = False
         self._dirty = True
-        self.save_checkpoint()
+        self.writing = True  # the checkpoint's temp file too
+        try:
+            self.save_checkpoint()
+        finally:
+            self.writing = False
 
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)

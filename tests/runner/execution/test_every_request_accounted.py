@@ -170,3 +170,27 @@ def test_a_request_cut_off_by_the_timeout_does_not_halt_a_budgeted_run(tmp_path,
     # each row: $0.02 known, and its cut-off request at the mean request cost ($0.01), an estimate
     assert lines and status["budget"]["counted_usd"] == pytest.approx(len(lines) * 3 * COST), out + err
     assert status["spend"]["known_usd"] == pytest.approx(len(lines) * 2 * COST) and status["spend"]["estimated"]
+
+
+def test_a_second_interrupt_quits_at_once_and_records_the_requests_already_sent(tmp_path, model_server):
+    tools = "".join(f'@tool terminal {{"command": "echo {n}"}}\n' for n in range(3))
+    rows = [{"prompt": f"@cost {COST}\n@latency 1\n{tools}Quit {i}."} for i in range(10)]
+    proc = _start(tmp_path, model_server, rows, "--num_workers=4", "--num_processes=2")
+    try:
+        assert _wait_for(lambda: model_server.count() >= 9, 60), model_server.count()
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGINT)
+        started = time.monotonic()
+        out, err = _finish(proc, 30)
+        assert time.monotonic() - started < 5, out + err  # still at once
+    finally:
+        _finish(proc, 1) if proc.poll() is None else None
+    assert proc.returncode == 130, out + err
+    run_dir = tmp_path / "data" / "r"
+    status = json.loads((run_dir / "status.json").read_text())
+    lines = [r for p in sorted(run_dir.glob("batch_*.jsonl")) for r in read_jsonl(p)]
+    received = model_server.count()
+    assert status["state"] == "interrupted" and status["spend"]["requests"] == received, (status, received)
+    assert sum(line["metadata"]["usage"]["requests"] for line in lines) == received
+    assert {line["error_class"] for line in lines if line.get("failed")} <= {"interrupted", "timeout"}
