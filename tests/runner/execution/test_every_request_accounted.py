@@ -194,3 +194,7 @@ def test_a_second_interrupt_quits_at_once_and_records_the_requests_already_sent(
     assert status["state"] == "interrupted" and status["spend"]["requests"] == received, (status, received)
     assert sum(line["metadata"]["usage"]["requests"] for line in lines) == received
     assert {line["error_class"] for line in lines if line.get("failed")} <= {"interrupted", "timeout"}
+    report = subprocess.run([sys.executable, str(REPO / "batch_runner.py"), "--report", "--run_name=r"], cwd=tmp_path,
+                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert json.loads((run_dir / "statistics.json").read_text())["requests"] == received, report.stdout
