@@ -169,10 +169,18 @@ async def _cleanup(ctx: ToolContext | None, env: Any) -> None:
             except Exception:
                 pass
     if env is not None:
-        try:
-            await asyncio.to_thread(env.cleanup)
-        except Exception:
-            pass
+        # A second cancel (the runner's death is seen on the pipe and by the death signal) must
+        # not abandon the cleanup: a cleanup cancelled before its thread started never runs.
+        removal = asyncio.ensure_future(asyncio.to_thread(env.cleanup))
+        while True:
+            try:
+                await asyncio.shield(removal)
+                break
+            except asyncio.CancelledError:
+                if removal.done():
+                    raise
+            except Exception:
+                break
 
 
 def fallback_toolset(distribution: str, unavailable: dict[str, str]) -> str | None:
@@ -377,8 +385,11 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
     if config.max_cost is not None:
         runtime.admit = admit
 
-    def stop_now() -> None:  # cancel sessions; their finally blocks remove sandboxes
-        for t in list(running):
+    stopped: set = set()
+
+    def stop_now() -> None:  # cancel sessions once each; their finally blocks remove sandboxes
+        for t in list(running - stopped):
+            stopped.add(t)
             t.cancel()
         inbox.put_nowait(None)
 

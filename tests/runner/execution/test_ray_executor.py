@@ -35,7 +35,7 @@ NODE_ARGS = {"num_cpus": 1, "object_store_memory": 100 * 1024 * 1024}
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 NATURALLY_DIFFERENT = ("timestamp", "run_id", "duration_seconds", "batch_num")
 TIMING_STATS = ("completed_at", "duration_seconds", "run_time")
-CALL_ID = re.compile(r"call_[0-9a-f]{8,}")
+CALL_ID = re.compile(r"call_(?:c\d+_)?[0-9a-f]{8,}")  # the scripted server may prefix its conversation
 
 
 @pytest.fixture(scope="module")
