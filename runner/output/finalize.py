@@ -12,8 +12,6 @@ statistics.json, which report.html embeds, so the two always show the same count
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,10 +21,11 @@ from runner.output.report import report_details, write_report
 from runner.output.statistics import build_statistics, dataset_of, run_time, statistics_of, tool_statistics  # noqa: F401
 from runner.output.status import THROUGHPUT_DEFINITION, rows_per_minute, throughput_text
 from runner.storage import runfiles
+from runner.storage.atomic import atomic_write_lines
 from runner.storage.records import relocated_line
 from runner.storage.runfiles import Invocation, write_statistics  # noqa: F401 (callers take them from here)
 from runner.storage.runview import OK_RANK, Detail, RunView, Selection, read_run
-from runner.storage.store import batch_files, keep_mode
+from runner.storage.store import batch_files
 from runner.timestamps import now_iso
 
 
@@ -106,19 +105,7 @@ def export_run_dir(run_dir: Path, formats: list[str], log=print) -> dict[str, in
 
 
 def _write_trajectories(run_dir: Path, lines: Iterator[bytes]) -> None:
-    target = run_dir / "trajectories.jsonl"
-    fd, tmp = tempfile.mkstemp(prefix=".trajectories_", suffix=".tmp", dir=run_dir)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for line in lines:
-                out.write(line)
-            out.flush()
-            os.fsync(out.fileno())
-        keep_mode(tmp, target)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_lines(run_dir / "trajectories.jsonl", lines)
 
 
 def record_invocation_end(run_dir: Path, run_id: str) -> list[Invocation]:

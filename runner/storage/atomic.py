@@ -24,11 +24,17 @@ def keep_mode(tmp: str | Path, target: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write via a private temp file in the same folder, fsync, then rename over the target."""
+    atomic_write_lines(path, (data,))
+
+
+def atomic_write_lines(path: Path, chunks) -> None:
+    """atomic_write_bytes for content streamed in chunks (the merge never holds the whole file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}_", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            for chunk in chunks:
+                handle.write(chunk)
             handle.flush()
             os.fsync(handle.fileno())
         keep_mode(tmp, path)
