@@ -522,9 +522,15 @@ class ModelClient:
             delay = requested if requested is not None else min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1))
             delay = delay + random.uniform(0, 0.25 * delay + 0.05) if requested is not None else random.uniform(0, delay)
             budget = policy.max_unreachable_wait if unreachable else policy.max_total_wait
-            if waited + delay > budget:
-                failure += f" (gave up: waiting {delay:.1f}s more would pass the {budget:g}s budget)"
+            if requested is not None and waited + delay > budget:  # asking sooner would be refused again
+                failure += f" (gave up: the server asks for {delay:.1f}s more, past the {budget:g}s budget)"
                 break
+            if waited >= budget:
+                failure += f" (gave up: the {budget:g}s budget of waiting is spent)"
+                break
+            # The budget bounds the waiting, not the luck of the draw: our own backoff is cut to what
+            # is left of it, so an outage shorter than the budget is always ridden out.
+            delay = min(delay, budget - waited)
             if stats is not None:
                 stats.retries += 1
             waited += delay

@@ -199,3 +199,30 @@ def test_the_key_follows_a_redirect_only_within_its_origin():
     assert not _same_origin("http://127.0.0.1:8000/v1", "http://127.0.0.2:8000/v1")
     assert not _same_origin("http://h:8000/v1", "http://h:8001/v1")
     assert not _same_origin("http://h:8000/v1", "https://h:8443/v1")
+
+
+def test_an_outage_shorter_than_the_unreachable_budget_is_ridden_out_whatever_the_backoff_draws(model_server,
+                                                                                                 monkeypatch):
+    """The budget bounds the waiting, not the luck of the draw: when the next backoff would pass it,
+    the request waits what is left of it and tries once more instead of giving up early."""
+    import random
+    import threading
+
+    monkeypatch.setattr(random, "uniform", lambda low, high: high)  # the longest backoff every time
+    # Backoffs 0.05, 0.1, 0.2 (0.35 s waited); the next, 0.4, would pass the 0.6 s budget by 0.15 s.
+    policy = RetryPolicy(base_delay=0.05, max_unreachable_wait=0.6)
+    _complete(model_server, "warm up")  # imports done, so the outage starts with the first request
+    model_server.stop()
+    threading.Timer(0.45, model_server.start).start()  # back on the same port within the budget
+    reply, stats = _complete(model_server, "hi", policy=policy)
+    assert reply.content and stats.retries == 4
+
+
+def test_a_dead_endpoint_still_fails_once_the_unreachable_budget_is_spent():
+    class Nowhere:
+        base_url = "http://127.0.0.1:9/v1"
+
+    started = time.monotonic()
+    with pytest.raises(ProviderError, match="connection refused.*budget"):
+        _complete(Nowhere, "hi", policy=RetryPolicy(base_delay=0.05, max_unreachable_wait=0.6))
+    assert 0.6 <= time.monotonic() - started < 5
