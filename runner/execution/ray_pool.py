@@ -13,6 +13,13 @@ given up, as a failed record (retried on `--resume`), only after its worker died
 `MAX_DELIVERIES` times, or when no actor is left and none can be started. A node that joins the
 cluster mid-run gets an actor too.
 
+Spend is known to the driver request by request, as with the process executor: each actor keeps
+one `updates()` call of the driver's open and answers it as soon as a row's usage changes (a request
+sent, a reply come back), so the driver's watcher (the live status and the budget) sees the rows in
+flight; under a budget each request also waits there for the driver's `may_send()`. A row given
+up in flight is committed with the usage its actor last reported, and a row sent again after its
+worker died carries what the lost delivery spent, so every request sent is counted once.
+
 Workers must be able to import this project. When a node runs on the driver's machine, its actors
 get the checkout on PYTHONPATH (`runtime_env={"env_vars": ...}`: nothing is uploaded); on a real
 cluster the project must be installed on every node (`pip install .` or
@@ -24,8 +31,10 @@ Ray is imported lazily: the rest of the runner never needs it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,6 +45,7 @@ from runner.input.config import RunConfig
 from runner.execution.executor import SpendWatcher
 from runner.execution.task import Task
 from runner.execution.worker import failed_record
+from agent.usage import Usage
 
 RAY_MISSING = "--executor=ray needs Ray: pip install 'agent-batch-runner[ray]' (or pip install ray)"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +66,16 @@ class NodeWorker:
         self.logs: list[str] = []
         self.running: set[asyncio.Task] = set()
         self.images: dict[str, asyncio.Task] = {}  # image -> its preparation on this node, once
+        # What the driver has not fetched yet (`updates`): each row's usage so far, by row key, and
+        # the requests waiting for its word under a cost budget (ask id -> the answer to come).
+        self.usage: dict[str, dict] = {}
+        self.asks: dict[int, asyncio.Future] = {}
+        self.new_asks: list[int] = []
+        self.ask_ids = itertools.count()
+        self.changed: asyncio.Event | None = None  # made inside the actor's event loop
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_thread: int | None = None
+        self.closing = False
 
     def _runtime(self):
         if self.runtime is None:
@@ -68,7 +88,69 @@ class NodeWorker:
             self.runtime = WorkerRuntime(
                 self.config, {**self.unavailable, **self.node_missing}, self.sessions, self._log
             )
+            self.runtime.report_usage = self._report_usage
+            if self.config.max_cost is not None:  # the driver, which knows every node's spend, admits each request
+                self.runtime.admit = self._ask_driver
         return self.runtime
+
+    def _bind_loop(self) -> None:
+        """The actor's event loop (its methods run on it): where usage reports are noted."""
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+            self.loop_thread = threading.get_ident()
+            self.changed = asyncio.Event()
+
+    # --- spend, reported to the driver request by request ------------------------------------
+
+    def _report_usage(self, key: str, stats) -> None:
+        usage = stats.report()  # read now: the session goes on counting
+        if threading.get_ident() == self.loop_thread:
+            self._note_usage(key, usage)
+        else:
+            self.loop.call_soon_threadsafe(self._note_usage, key, usage)
+
+    def _note_usage(self, key: str, usage: dict) -> None:
+        self.usage[key] = usage
+        self.changed.set()
+
+    async def _ask_driver(self) -> bool:
+        if self.closing:
+            return False
+        ask = next(self.ask_ids)
+        future = self.loop.create_future()
+        self.asks[ask] = future
+        self.new_asks.append(ask)
+        self.changed.set()
+        try:
+            return await future
+        finally:
+            self.asks.pop(ask, None)
+
+    async def updates(self, wait: float) -> dict:
+        """What changed since the last call, once something did (or after `wait` seconds): the
+        usage so far of each row that spent more, and the asks waiting for an answer."""
+        self._bind_loop()
+        if not self.usage and not self.new_asks:
+            try:
+                await asyncio.wait_for(self.changed.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+        self.changed.clear()
+        usage, self.usage = self.usage, {}
+        asks, self.new_asks = self.new_asks, []
+        return {"usage": usage, "asks": asks}
+
+    async def answer(self, answers: dict[int, bool]) -> None:
+        """The driver's word on asks: may each request be sent?"""
+        for ask, allowed in answers.items():
+            future = self.asks.get(ask)
+            if future is not None and not future.done():
+                future.set_result(bool(allowed))
+
+    def _refuse_asks(self) -> None:
+        for future in self.asks.values():
+            if not future.done():
+                future.set_result(False)
 
     def _log(self, text: str) -> None:
         if self.config.verbose:
@@ -79,6 +161,7 @@ class NodeWorker:
 
         import ray
 
+        self._bind_loop()
         self._runtime()
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "host": socket.gethostname(),
                 "missing": self.node_missing}
@@ -87,6 +170,7 @@ class NodeWorker:
         """Run one row: {"record": the record to commit, "logs": verbose lines since the last call}."""
         from runner.execution.worker import process_row
 
+        self._bind_loop()
         me = asyncio.current_task()
         self.running.add(me)
         try:
@@ -116,13 +200,19 @@ class NodeWorker:
         tools = self.config.tools
         return backend_class(tools.terminal_env).prepare_run(tools, {image}, say=self._log, log=self._log).get(image)
 
-    async def close(self, cancel: bool = False) -> None:
-        """Cancel running sessions if asked (their sandboxes are removed), then close the clients."""
+    async def close(self, cancel: bool = False) -> dict:
+        """Cancel running sessions if asked (their sandboxes are removed), then close the clients.
+        Returns the usage the driver has not fetched yet ({"usage": row key -> usage so far}), the
+        last word on what the cancelled sessions spent."""
         if cancel:
+            self.closing = True  # no session sends another request
+            self._refuse_asks()
             for job in list(self.running):
                 job.cancel()
         if self.running:
             await asyncio.gather(*list(self.running), return_exceptions=True)
+        self._refuse_asks()
+        usage, self.usage = self.usage, {}
         if self.runtime is not None:
             try:
                 await self.runtime.close()
@@ -133,6 +223,7 @@ class NodeWorker:
                 await sys.modules["tools.browser_tools"].shutdown_browser()
             except Exception:
                 pass
+        return {"usage": usage}
 
 
 # --- the driver side -------------------------------------------------------------------------
@@ -145,6 +236,7 @@ class _Actor:
     sessions: int
     ready_ref: Any = None  # the pending `ready()` call; None once the actor answered
     in_flight: dict = field(default_factory=dict)  # ObjectRef -> task
+    updates_ref: Any = None  # the pending `updates()` call: returns when a row's usage changes
 
     @property
     def ready(self) -> bool:
@@ -163,6 +255,8 @@ class RayExecutor:
     START_TIMEOUT = 120.0  # seconds start() waits for the first actors
     NODE_REFRESH = 5.0  # seconds between looks for joined or departed nodes
     NO_NODE_GRACE = 60.0  # seconds without any actor before the rows in flight are given up
+    UPDATES_WAIT = 2.0  # seconds an actor holds an `updates()` call open when nothing changes
+    CLOSE_WAIT = 1.5  # seconds a quit at once waits for the actors' last word on what their rows spent
 
     def __init__(self, config: RunConfig, unavailable: dict[str, str], log=print):
         try:
@@ -188,6 +282,14 @@ class RayExecutor:
         self.last_start_error: str | None = None
         self.stop_reason: str | None = None  # never set: a lost node's rows are re-sent or failed, the run goes on
         self.watcher: SpendWatcher | None = None
+        self.usage: dict[str, Usage] = {}  # row key -> its usage so far in the delivery now running
+        # row key -> what its earlier deliveries spent before their worker died: the row is sent
+        # again, and its record carries this too, so every request sent is counted once
+        self.carried: dict[str, Usage] = {}
+        self._updates: dict[Any, _Actor] = {}  # pending `updates()` call -> its actor
+        self._late: list[dict] = []  # records that finished while the actors stopped
+        self._unfinished: list[Task] = []  # rows in flight when the actors stopped
+        self._closing: list[Any] = []  # the actors' `close(cancel=True)` calls of a quit at once
         self._closed = False
         self._owns_connection = False
         self._connect()
@@ -239,7 +341,8 @@ class RayExecutor:
         config = self.config.model_copy(update={"num_workers": self.sessions * max(1, nodes)})
         options: dict[str, Any] = {
             "scheduling_strategy": self._affinity(node_id=node_id, soft=False),
-            "max_concurrency": self.sessions + 1,  # the sessions, plus room for ready()/close()
+            # the sessions, plus room for ready(), updates(), answer() and close()
+            "max_concurrency": self.sessions + 4,
             "num_cpus": 0,
             "max_restarts": 0,  # a dead actor is replaced by the driver, which knows its rows
             "max_task_retries": 0,
@@ -309,27 +412,93 @@ class RayExecutor:
         ref = actor.handle.run.remote(task)
         actor.in_flight[ref] = task
         self._owner[ref] = actor
+        self._ask_updates(actor)
 
     def poll(self, timeout: float) -> list[dict]:
-        """Records that finished since the last call (waits up to `timeout` for the first)."""
+        """Records that finished since the last call (waits up to `timeout` for the first). While
+        it waits, the actors' reports of each request's usage go to the watcher as they come."""
         ray = self.ray
         self._maintain()
-        refs = list(self._owner)
-        if refs and not self.ready_records:
-            done, _ = ray.wait(refs, num_returns=1, timeout=timeout, fetch_local=True)
-            if done:
-                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
-        elif refs:
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
-        else:
-            done = []
-            if not self.ready_records:
-                time.sleep(min(timeout, 0.2))
-        for ref in done:
-            self._collect(ref)
+        deadline = time.monotonic() + timeout
+        while True:
+            refs = list(self._owner)
+            waiting = refs + list(self._updates)
+            left = 0.0 if self.ready_records else max(0.0, deadline - time.monotonic())
+            if not refs:
+                self._take_updates(0.0)
+                if not self.ready_records:
+                    time.sleep(min(left, 0.2))
+                break
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=left, fetch_local=True)
+            if ready:
+                ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0, fetch_local=True)
+            ready = set(ready)
+            self._take_updates(0.0, [ref for ref in self._updates if ref in ready])
+            for ref in refs:
+                if ref in ready:
+                    self._collect(ref)
+            if self.ready_records or time.monotonic() >= deadline:
+                break
         self._maintain()
         records, self.ready_records = self.ready_records, []
         return records
+
+    # --- spend, request by request ----------------------------------------------------------
+
+    def _ask_updates(self, actor: _Actor) -> None:
+        """Keep one `updates()` call open per ready actor: it returns as soon as a row spends."""
+        if self._closed or actor.updates_ref is not None or not actor.ready:
+            return
+        try:
+            actor.updates_ref = actor.handle.updates.remote(self.UPDATES_WAIT)
+        except Exception:
+            return
+        self._updates[actor.updates_ref] = actor
+
+    def _take_updates(self, timeout: float, refs: list | None = None) -> None:
+        """Hand the answered `updates()` calls' usage to the watcher, answer their asks, and ask again."""
+        if refs is None:
+            pending = list(self._updates)
+            refs = self.ray.wait(pending, num_returns=len(pending), timeout=timeout)[0] if pending else []
+        for ref in refs:
+            actor = self._updates.pop(ref, None)
+            if actor is None:
+                continue
+            actor.updates_ref = None
+            try:
+                update = self.ray.get(ref)
+            except Exception:
+                continue  # the actor died: its rows' own calls say so
+            self._note_usage(actor, update.get("usage") or {})
+            asks = update.get("asks") or []
+            if asks:
+                answers = {ask: self.watcher is None or self.watcher.may_send() for ask in asks}
+                try:
+                    actor.handle.answer.remote(answers)
+                except Exception:
+                    pass
+            if actor in self.actors:
+                self._ask_updates(actor)
+
+    def _note_usage(self, actor: _Actor | None, usage: dict[str, dict]) -> None:
+        """Usage reported by `actor` (None: any actor) for rows it runs; a row no longer in flight
+        there (finished, or sent again elsewhere) is left alone."""
+        running = {task.key for a in ([actor] if actor else self.actors) for task in a.in_flight.values()}
+        for key, report in usage.items():
+            if key not in running:
+                continue
+            self.usage[key] = Usage.read(report)
+            if self.watcher is not None:
+                carried = self.carried.get(key)
+                if carried is not None:  # what the earlier deliveries spent, with this one's
+                    report = {**(carried + self.usage[key]).as_dict(), "pending": report.get("pending") or 0}
+                self.watcher.on_usage(key, report)
+
+    def _spent(self, key: str) -> Usage:
+        """What the row has spent so far, over every delivery; forgotten from here on."""
+        usage = self.usage.pop(key, None) or Usage()
+        carried = self.carried.pop(key, None)
+        return usage if carried is None else carried + usage
 
     def _collect(self, ref) -> None:
         ray = self.ray
@@ -349,19 +518,33 @@ class RayExecutor:
         else:
             for line in result.get("logs") or ():
                 self.log(line)
-            self.ready_records.append(result["record"])
+            self.ready_records.append(self._with_carried(task.key, result["record"]))
+
+    def _with_carried(self, key: str, record: dict) -> dict:
+        """The record, its usage including what earlier deliveries of the row spent."""
+        self.usage.pop(key, None)
+        carried = self.carried.pop(key, None)
+        if carried is None or not carried.requests:
+            return record
+        metadata = record.get("metadata") or {}
+        usage = carried + Usage.read(metadata.get("usage"))
+        return {**record, "metadata": {**metadata, "usage": usage.as_dict()}}
 
     # --- failures ---------------------------------------------------------------------------
 
     def _requeue(self, task: Task, err: Exception) -> None:
         key = task.key
         self.deliveries[key] = self.deliveries.get(key, 0) + 1
+        spent = self._spent(key)
         if self.deliveries[key] >= self.MAX_DELIVERIES:
             self.ready_records.append(failed_record(
                 task, self.config,
                 f"the Ray worker running this row died {self.deliveries[key]} times (last: {_reason(err)})", "agent",
+                usage=spent,
             ))
         else:
+            if spent.requests:
+                self.carried[key] = spent
             self.backlog.append(task)
 
     def _lose_actor(self, actor: _Actor, err: Exception | str, rows: list[dict] | None = None) -> None:
@@ -370,6 +553,8 @@ class RayExecutor:
         for ref in actor.in_flight:
             self._owner.pop(ref, None)
         actor.in_flight.clear()
+        self._updates.pop(actor.updates_ref, None)
+        actor.updates_ref = None
         if actor in self.actors:
             self.actors.remove(actor)
         try:
@@ -418,6 +603,7 @@ class RayExecutor:
                 self._lose_actor(actor, err)
                 continue
             actor.ready_ref = None
+            self._ask_updates(actor)
             if info.get("missing"):
                 missing = ", ".join(f"{tool} ({why})" for tool, why in sorted(info["missing"].items()))
                 self.log(f"⚠️  Ray node {actor.short} ({info['host']}) cannot offer: {missing}")
@@ -458,60 +644,112 @@ class RayExecutor:
                 self.log(f"⚠️  Ray: no worker is left; waiting up to {self.NO_NODE_GRACE:g}s for a node to join")
         elif self.backlog and now - self._no_actor_since > self.NO_NODE_GRACE:
             while self.backlog:
-                self.ready_records.append(failed_record(
-                    self.backlog.popleft(), self.config, "no Ray node was left to run this row", "agent"))
+                task = self.backlog.popleft()
+                self.ready_records.append(failed_record(task, self.config, "no Ray node was left to run this row",
+                                                        "agent", usage=self._spent(task.key)))
 
     # --- stopping ---------------------------------------------------------------------------
 
     def watch(self, watcher: SpendWatcher) -> None:
-        """Kept, not yet fed: actors hand back whole records only, so under Ray the run's spend and
-        its budget are known per committed row, not per request."""
+        """Each row's usage goes to `watcher` as its actor reports it (every request sent and
+        ended), and under a budget each request waits for `watcher.may_send()`."""
         self.watcher = watcher
 
     def abandoned(self, error: str, error_class: str) -> list[dict]:
-        """Nothing: an actor reports no usage before a row's record, so a row abandoned in flight
-        leaves no figures to commit (what it spent is not counted)."""
-        return []
+        """The records that came in while the actors stopped, and a failed record of each row that
+        sent requests and did not finish, with what it spent as its actor last reported (a request
+        without its reply counts at an unknown cost). Without `shutdown` first (a quit at once),
+        the actors' answers to `terminate` are waited for a moment: their last word on the spend."""
+        if not self._closed:
+            self._hear_closing(self.CLOSE_WAIT)
+            self._unfinished.extend(self._tasks_in_flight())
+        records, self._late = self._late, []
+        for task in self._unfinished:
+            usage = self._spent(task.key)
+            if usage.requests:
+                records.append(failed_record(task, self.config, error, error_class, usage=usage))
+        self._unfinished = []
+        return records
+
+    def _tasks_in_flight(self) -> list[Task]:
+        tasks = [task for actor in self.actors for task in actor.in_flight.values()]
+        tasks += list(self.backlog)  # sent before, to a worker that died: what they spent is carried
+        for actor in self.actors:
+            actor.in_flight.clear()
+        self._owner.clear()
+        self.backlog.clear()
+        return tasks
+
+    def _hear_closing(self, timeout: float) -> None:
+        """The usage in the answers of the actors' `close()` calls that came within `timeout`."""
+        if not self._closing:
+            return
+        try:
+            done, _ = self.ray.wait(self._closing, num_returns=len(self._closing), timeout=timeout)
+        except Exception:
+            return
+        self._take_updates(0.0)
+        for ref in done:
+            try:
+                self._note_usage(None, (self.ray.get(ref) or {}).get("usage") or {})
+            except Exception:
+                pass
+        self._closing = [ref for ref in self._closing if ref not in done]
 
     def shutdown(self, abandon: bool = False, timeout: float = 15.0) -> None:
-        """Stop the actors. abandon=True cancels in-flight sessions (their sandboxes are removed)."""
+        """Stop the actors. abandon=True cancels in-flight sessions (their sandboxes are removed);
+        what they spent, and the records that finish meanwhile, are kept for `abandoned`."""
         if self._closed:
             return
-        self._closed = True
         ray = self.ray
         try:
-            closing = []
             for actor in self.actors:
                 if actor.ready:
                     try:
-                        closing.append(actor.handle.close.remote(cancel=abandon))
+                        self._closing.append(actor.handle.close.remote(cancel=abandon))
                     except Exception:
                         pass
-            if closing:
-                try:
-                    ray.wait(closing, num_returns=len(closing), timeout=max(0.1, timeout))
-                except Exception:
-                    pass
+            self._hear_closing(max(0.1, timeout))
+            self._keep_finished()
         finally:
+            self._closed = True
+            self._unfinished.extend(self._tasks_in_flight())
             for actor in self.actors:
                 try:
                     ray.kill(actor.handle, no_restart=True)
                 except Exception:
                     pass
             self.actors.clear()
-            self._owner.clear()
+            self._updates.clear()
             if self._owns_connection:
                 try:
                     ray.shutdown()
                 except Exception:
                     pass
 
+    def _keep_finished(self) -> None:
+        """Rows whose record came back while the actors stopped: kept, to be committed."""
+        self._late, self.ready_records = self._late + self.ready_records, []
+        refs = list(self._owner)
+        if not refs:
+            return
+        done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
+        for ref in done:
+            actor = self._owner.pop(ref)
+            task = actor.in_flight.pop(ref)
+            try:
+                result = self.ray.get(ref)
+            except Exception:  # cancelled, or its actor died: unfinished
+                actor.in_flight[ref] = task
+                continue
+            self._late.append(self._with_carried(task.key, result["record"]))
+
     def terminate(self) -> None:
         """Signal every actor to cancel its sessions and remove their sandboxes; do not wait."""
         for actor in self.actors:
             if actor.ready:
                 try:
-                    actor.handle.close.remote(cancel=True)
+                    self._closing.append(actor.handle.close.remote(cancel=True))
                 except Exception:
                     pass
 

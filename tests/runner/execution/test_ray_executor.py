@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -265,6 +266,9 @@ def test_node_death_mid_run_loses_nothing(tmp_path, two_nodes):
     assert len(committed) == 40 and not [k for k, n in Counter(committed).items() if n > 1]
     stats = json.loads((run_dir / "statistics.json").read_text())
     assert stats["outcomes"]["ok"] == 40 and stats["outcomes"]["failed"] == 0 and stats["outcomes"]["not_run"] == 0
+    # The requests the dead node's sessions had sent are counted with the rows' next delivery. (One
+    # may be off: a node killed within the milliseconds between a request and its report.)
+    assert abs(stats["spend"]["all"]["requests"] - requests) <= 1, (stats["spend"]["all"], requests)
 
 
 def _remove_workdirs_of(run_dir: Path) -> None:
@@ -322,3 +326,106 @@ def test_a_node_offers_only_the_tools_it_can_run():
     assert "browser_navigate" in worker.node_missing and "web_search" not in worker.node_missing
     assert "browser_navigate" in runtime.unavailable and "web_search" in runtime.unavailable
     assert "terminal" not in runtime.unavailable
+
+
+# --- spend under Ray: every request is known to the driver as it is made -------------------------
+
+COST = 0.01  # what each scripted reply says it cost
+
+
+def _spend_args(dataset: Path, server: ModelServer, address: str, *extra: str) -> list[str]:
+    return [f"--dataset_file={dataset}", "--run_name=r", "--batch_size=4", "--model=m", "--api_key=x",
+            f"--base_url={server.base_url}", "--distribution=terminal_only", "--max_turns=8", "--executor=ray",
+            f"--ray_address={address}", "--price_input_per_mtok=1", "--price_output_per_mtok=1", *extra]
+
+
+def _spend_figures(run_dir: Path) -> tuple[dict, dict, list[dict]]:
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    status = json.loads((run_dir / "status.json").read_text())
+    lines = [r for p in sorted(run_dir.glob("batch_*.jsonl")) for r in read_jsonl(p)]
+    return stats, status, lines
+
+
+def _tool_calls(count: int) -> str:
+    return "".join(f'@tool terminal {{"command": "echo {n}"}}\n' for n in range(count))
+
+
+@needs_ray
+def test_ray_budget_is_checked_per_request_and_a_hard_cancel_commits_what_rows_spent(tmp_path, ray_head):
+    """--max_cost: the first replies pass the budget mid-row, so no further request is sent and no
+    further row starts (per committed row, the first wave would have sent all 3 requests of each row).
+    --max_cost_hard: a row whose request is in flight when the spend passes the budget is cancelled
+    and committed with that request (of unknown cost), so the figures count what the endpoint got."""
+    rows = [{"prompt": f"@cost {COST}\n@latency 1\n{_tool_calls(2)}Budget row {i}."} for i in range(8)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    (tmp_path / "soft").mkdir()
+    with ModelServer() as server:
+        proc = run_cli(_spend_args(dataset, server, ray_head.address, "--sessions_per_node=4", "--max_cost=0.001"),
+                       tmp_path / "soft", timeout=240, env=dict(LOOPBACK_ENV))
+        received = server.count()
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    stats, status, lines = _spend_figures(tmp_path / "soft" / "data" / "r")
+    assert 1 <= received <= 4, (received, proc.stdout + proc.stderr)  # only the requests in flight then
+    assert stats["spend"]["all"]["requests"] == received == status["spend"]["requests"]
+    assert stats["cost"] == pytest.approx(received * COST)
+    assert lines and all(r.get("failed") and r["error_class"] == "budget" for r in lines), lines
+    assert len(lines) <= 4  # no row started after the first replies
+
+    rows = ([{"prompt": f"@cost {COST}\n@latency 0.3\n{_tool_calls(2)}Passes the budget."}]
+            + [{"prompt": f"@cost {COST}\n@hang\nIn flight {i}."} for i in range(2)])
+    dataset = write_jsonl(tmp_path / "d2.jsonl", rows)
+    (tmp_path / "hard").mkdir()
+    with ModelServer() as server:
+        proc = run_cli(_spend_args(dataset, server, ray_head.address, "--sessions_per_node=3", "--max_cost=0.015",
+                                   "--max_cost_hard"), tmp_path / "hard", timeout=240, env=dict(LOOPBACK_ENV))
+        received = server.count()
+        hung = len(server.requests_for("In flight"))
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "cancelled" in proc.stderr, proc.stderr
+    stats, status, lines = _spend_figures(tmp_path / "hard" / "data" / "r")
+    assert hung == 2 and received >= 3, (received, proc.stdout + proc.stderr)
+    assert stats["spend"]["all"]["requests"] == received == status["spend"]["requests"], (stats["spend"], lines)
+    cancelled = [r for r in lines if "In flight" in r["prompt"]]
+    assert len(cancelled) == 2 and all(r["error_class"] == "budget" for r in cancelled), lines
+    assert all(r["metadata"]["usage"]["requests"] == 1 == r["metadata"]["usage"]["unpriced_requests"]
+               for r in cancelled)
+    assert stats["cost"] is None and stats["spend"]["all"]["known_cost"] == pytest.approx((received - 2) * COST)
+
+
+@needs_ray
+def test_ray_second_interrupt_records_the_requests_already_sent(tmp_path, ray_head):
+    rows = [{"prompt": f"@cost {COST}\n@latency 1\n{_tool_calls(3)}Quit {i}."} for i in range(10)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENROUTER_API_KEY", "OPENAI_API_KEY", "TERMINAL_ENV")}
+    env.update(LOOPBACK_ENV, PYTHONPATH=str(REPO))
+    with ModelServer() as server:
+        proc = subprocess.Popen([sys.executable, str(REPO / "batch_runner.py"),
+                                 *_spend_args(dataset, server, ray_head.address, "--sessions_per_node=4")],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while server.count() < 9 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+            assert server.count() >= 9, proc.communicate(timeout=5)
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(1)
+            os.killpg(proc.pid, signal.SIGINT)
+            started = time.monotonic()
+            out, err = proc.communicate(timeout=30)
+            assert time.monotonic() - started < 5, out + err  # still at once
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        time.sleep(1)  # a request the cancelled sessions had on the way reaches the server now, if ever
+        received = server.count()
+    assert proc.returncode == 130, out + err
+    run_dir = tmp_path / "data" / "r"
+    status = json.loads((run_dir / "status.json").read_text())
+    lines = [r for p in sorted(run_dir.glob("batch_*.jsonl")) for r in read_jsonl(p)]
+    assert status["state"] == "interrupted" and status["spend"]["requests"] == received, (status["spend"], received)
+    assert sum(line["metadata"]["usage"]["requests"] for line in lines) == received
+    report = run_cli(["--report", "--run_name=r"], tmp_path, timeout=120)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert json.loads((run_dir / "statistics.json").read_text())["requests"] == received, report.stdout
