@@ -371,7 +371,7 @@ def test_ray_budget_is_checked_per_request_and_a_hard_cancel_commits_what_rows_s
     assert lines and all(r.get("failed") and r["error_class"] == "budget" for r in lines), lines
     assert len(lines) <= 4  # no row started after the first replies
 
-    rows = ([{"prompt": f"@cost {COST}\n@latency 0.3\n{_tool_calls(2)}Passes the budget."}]
+    rows = ([{"prompt": f"@cost {COST}\n@latency 1\n{_tool_calls(2)}Passes the budget."}]
             + [{"prompt": f"@cost {COST}\n@hang\nIn flight {i}."} for i in range(2)])
     dataset = write_jsonl(tmp_path / "d2.jsonl", rows)
     (tmp_path / "hard").mkdir()
