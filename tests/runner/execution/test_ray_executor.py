@@ -192,10 +192,14 @@ def test_lost_worker_is_replaced_then_rows_fail_when_none_is_left(tmp_path, two_
         while not server.requests_for("slow #0") and time.monotonic() < deadline:
             time.sleep(0.05)
         [first] = [a for a in executor.actors if a.in_flight]
+        time.sleep(0.3)  # (its report of the request reaches the driver meanwhile)
         ray.kill(first.handle)  # the worker process dies with the row in flight
         records = _poll_until(executor, 1, 60)
         assert [r["metadata"]["row_key"] for r in records] == ["k0"] and not records[0].get("failed"), (records, logs)
         assert len(server.requests_for("slow #0")) >= 2  # it really ran twice
+        # the record counts the request the lost run sent too (of unknown cost: it got no reply)
+        usage = records[0]["metadata"]["usage"]
+        assert usage["requests"] == len(server.requests_for("slow #0")) and usage["unpriced_requests"] == 1, usage
         assert any("lost" in line and "1 row(s) in flight" in line for line in logs), logs
         deadline = time.monotonic() + 30
         while len(executor.actors) < 2 or not all(a.ready for a in executor.actors):
