@@ -421,6 +421,62 @@ def _http_client(openai: Any, connections: int) -> Any:
         return openai.DefaultAsyncHttpxClient(limits=limits, event_hooks=hooks)
 
 
+class DirectPost:
+    """POST /chat/completions through the SDK's HTTP client and with the SDK's errors, but without
+    its per-request option models and request builder, which cost more CPU than the transport.
+
+    The first request that gets an answer goes the SDK's whole way; its URL and headers (key,
+    client and platform headers, as the SDK built them) are kept, and every later request is sent
+    with them by the same HTTP client: same transport, redirects (the key dropped on the way to
+    another origin), decoding and response hook. A transport error becomes the SDK's timeout or
+    connection error (the cause kept), an HTTP error status the SDK's status error, as the SDK
+    itself raises them. An SDK without these pieces always goes its own way.
+    """
+
+    def __init__(self, openai: Any, sdk: Any, http: Any):
+        self._openai, self._sdk, self._http = openai, sdk, http
+        self._url: Any = None
+        self._headers: dict[str, str] | None = None
+        self._extensions: dict = {}  # the request's timeouts, as the SDK set them
+        try:
+            from openai._httpx2 import request_exceptions, timeout_exceptions
+
+            self._timeouts, self._failures = timeout_exceptions(), request_exceptions()
+            self._usable = hasattr(sdk, "_make_status_error_from_response") and hasattr(http, "build_request")
+        except ImportError:
+            self._usable = False
+
+    async def post(self, body: dict) -> Any:
+        if self._headers is None:
+            response = await self._sdk.post("/chat/completions", body=body, cast_to=_RESPONSE_TYPE)
+            if self._usable:
+                self._learn(response.history[0].request if response.history else response.request)
+            return response
+        request = self._http.build_request("POST", self._url, content=orjson.dumps(body), headers=self._headers,
+                                           extensions=dict(self._extensions))
+        openai = self._openai
+        try:
+            response = await self._http.send(request)
+        except self._timeouts as err:
+            raise openai.APITimeoutError(request=request) from err
+        except openai.OpenAIError:
+            raise
+        except self._failures as err:
+            raise openai.APIConnectionError(request=request) from err
+        if response.status_code >= 400:
+            if not response.is_closed:
+                await response.aread()
+            raise self._sdk._make_status_error_from_response(response) from None
+        return response
+
+    def _learn(self, request: Any) -> None:
+        self._url = request.url
+        # What the URL and the body set is set again for each request; an idempotency key is one request's own.
+        per_body = {"host", "content-length", "transfer-encoding", "idempotency-key"}
+        self._headers = {k: v for k, v in request.headers.items() if k.lower() not in per_body}
+        self._extensions = {k: v for k, v in request.extensions.items() if k == "timeout"}
+
+
 class ModelClient:
     """One endpoint, shared by all sessions of a worker process."""
 
@@ -439,13 +495,15 @@ class ModelClient:
 
         self.policy = policy or RetryPolicy()
         self._openai = openai
+        http = _http_client(openai, max_in_flight)
         self._client = openai.AsyncOpenAI(
             base_url=base_url,
             api_key=api_key or "no-key",
             max_retries=0,  # this class is the only retry layer
             timeout=self.policy.request_timeout,
-            http_client=_http_client(openai, max_in_flight),
+            http_client=http,
         )
+        self._direct = DirectPost(openai, self._client, http)
         self.endpoint = _host_of(base_url)
         self.base_url = base_url
         self.prompt_caching = prompt_caching
@@ -550,8 +608,7 @@ class ModelClient:
             # One limit for the whole request (connection, headers and body): the transport's own
             # timeouts bound each wait for bytes, so a body dripped byte by byte or an event
             # stream that never ends would hold the session for good.
-            response = await asyncio.wait_for(
-                self._client.post("/chat/completions", body=body, cast_to=_RESPONSE_TYPE), self.policy.request_timeout)
+            response = await asyncio.wait_for(self._direct.post(body), self.policy.request_timeout)
             if _is_html(response.headers.get("content-type"), response.content):
                 raise ProviderError(f"HTTP {response.status_code}: {ANSWERS_HTML} (is --base_url the API's "
                                     "address, such as http://host:port/v1?)", "provider", response.status_code)
