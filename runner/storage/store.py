@@ -110,7 +110,11 @@ def iter_lines(path: Path, start: int = 0) -> Iterator[tuple[int, bytes]]:
 
 
 class RunStore:
-    CHECKPOINT_EVERY = 2.0  # seconds between coalesced checkpoint writes
+    CHECKPOINT_EVERY = 2.0  # seconds between coalesced checkpoint writes, at least
+    # checkpoint.json names every row, so writing it takes longer as rows are done: the next write
+    # waits this many times as long as the last one took, so it never costs more than about 5% of
+    # the parent's time (it is a cache; the batch files are the truth a resume reads).
+    CHECKPOINT_PAUSE_FACTOR = 20.0
 
     def __init__(self, run_dir: Path, run_name: str, batch_size: int, selection: Selection = Selection()):
         self.run_dir = run_dir
@@ -128,6 +132,7 @@ class RunStore:
         self._batch_num = 0
         self._lines_in_batch = 0
         self._last_checkpoint = 0.0
+        self._checkpoint_gap = self.CHECKPOINT_EVERY
         self._dirty = False
         self._view_diverged = False  # a failed commit left lines in the view that are not in the files
 
@@ -298,7 +303,7 @@ class RunStore:
         if self._view_diverged:
             return
         now = time.monotonic()
-        if not force and (not self._dirty or now - self._last_checkpoint < self.CHECKPOINT_EVERY):
+        if not force and (not self._dirty or now - self._last_checkpoint < self._checkpoint_gap):
             return
         rows = self.view.rows
         completed = sorted({e.prompt_index for e in rows.values() if e.committed and e.prompt_index >= 0})
@@ -317,7 +322,8 @@ class RunStore:
                     "spend": {bucket: spend.cache_form() for bucket, spend in self.view.spend.items()},
                 },
             )
-        self._last_checkpoint = now
+        self._last_checkpoint = time.monotonic()
+        self._checkpoint_gap = max(self.CHECKPOINT_EVERY, self.CHECKPOINT_PAUSE_FACTOR * (self._last_checkpoint - now))
         self._dirty = False
 
     def close(self) -> None:

@@ -202,3 +202,33 @@ def test_a_failed_commit_never_reaches_checkpoint_json(tmp_path):
     again.load()
     assert again.is_committed("a") and not again.is_committed("b") and not again.is_committed("c")
     assert again.spent().attempts == 1
+
+
+def test_a_slow_checkpoint_write_spaces_out_the_next_one(tmp_path, monkeypatch):
+    """checkpoint.json names every row, so it takes longer to write as rows are done: after a
+    write that took 1 s the next waits 20 s (not the 2 s floor), so a million-row run does not
+    spend its parent's time rewriting the cache. A commit in between is committed all the same."""
+    import runner.storage.store as store_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: clock[0])
+    writes = []
+    real_write = store_module.write_checkpoint
+
+    def slow_write(path, checkpoint):
+        clock[0] += 1.0  # the write takes a second
+        writes.append(sorted(checkpoint["rows"]))
+        real_write(path, checkpoint)
+
+    monkeypatch.setattr(store_module, "write_checkpoint", slow_write)
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load()
+    store.commit([_record("a", 0)])
+    clock[0] += 3.0  # past the 2 s floor, within 20 x the last write
+    store.commit([_record("b", 1)])
+    assert writes == [["a"]]
+    clock[0] += 18.0
+    store.commit([_record("c", 2)])
+    assert writes == [["a"], ["a", "b", "c"]]
+    store.close()  # the last write is forced
+    assert json.loads((tmp_path / "checkpoint.json").read_text())["completed_prompts"] == [0, 1, 2]
