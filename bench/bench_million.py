@@ -191,6 +191,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, help="dataset rows (default: the preset's)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full", help="full (1,000,000 rows) or quick (2,000)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
+    parser.add_argument("--timeout", type=float, help="seconds each phase may take before its runner is killed "
+                                                      "(default: 300 + rows / 50)")
     opts = parser.parse_args()
     rows = opts.rows or PRESETS[opts.preset]
     print(f"$ {cmd_text([PY, *sys.argv])}")
@@ -202,7 +204,7 @@ def main() -> None:
         out = tmp / "out"
         args = [f"--dataset_file={dataset}", "--run_name=million", "--model=mock", "--distribution=minimal",
                 f"--num_workers={SESSIONS}", "--batch_size=10000", f"--output_dir={out}"]
-        timeout = 300 + rows / 50  # far above the expected few hundred rows per second
+        timeout = opts.timeout or 300 + rows / 50  # far above the expected few hundred rows per second
         load0 = os.getloadavg()
         print(f"▶ {rows:,} rows, {SESSIONS} sessions, --model=mock; SIGKILL of the process group at half way")
         print(f"  phase 1: $ {cmd_text([PY, str(REPO / 'batch_runner.py'), *args])}")

@@ -181,8 +181,17 @@ NOT_RUNNABLE = {
         "needs the compiled llama.cpp server and the model file (bash .ci/install-real-model), and the run "
         "after it would take minutes on the real model; tests/agent/test_real_model.py starts the same server "
         "(tests/helpers/real_model.py) for a short run, and the run command here runs against the scripted server",
-    "python bench/bench_throughput.py --all --repeat 3": "a benchmark (minutes of full load), run by hand",
+    "python bench/bench_throughput.py --preset b --repeat 3": "a benchmark (minutes of full load), run by hand",
+    "python bench/bench_throughput.py --preset a --repeat 3": "a benchmark (minutes of full load), run by hand",
+    "python bench/bench_throughput.py --preset c": "a benchmark (512 sessions), run by hand",
+    "python bench/bench_throughput.py --preset zero": "a benchmark (full load), run by hand",
+    "python bench/bench_throughput.py --preset b": "a benchmark, run by hand (its quick preset runs in "
+                                                   "tests/cli/test_bench_smoke.py)",
     "python bench/bench_throughput.py --startup": "a benchmark, run by hand",
+    "python bench/bench_profile.py --preset b": "a profile under py-spy (not a dependency), run by hand",
+    "python bench/bench_million.py": "a benchmark (1,000,000 rows, about half an hour), run by hand (its quick "
+                                     "preset runs in tests/cli/test_bench_smoke.py)",
+    "python bench/bench_million.py --rows 100000": "a benchmark (minutes of full load), run by hand",
     "python bench/bench_throughput.py --preset quick --samples 4 --scorer includes": "a benchmark, run by hand",
     "python bench/bench_dataset.py": "a benchmark (1,000,000 rows), run by hand",
     "python bench/bench_resume.py": "a benchmark (100,000 rows), run by hand",
