@@ -4,7 +4,12 @@
     execution/  handing tasks to workers (process pool or Ray), one prompt in a worker, the budget
     storage/    the run directory: the committed records, the run view that reads them, the lock
     output/     what a run leaves for people: trajectories.jsonl, statistics.json, status, report.html
-    console.py  wording shared by every stage's messages
+    console.py  wording shared by every stage's messages, and the log that does not tear the bar
+    outcome.py  the run's one outcome (exit code, headline, last states), and its StopState
+
+The driver's modules drive the stages and may import every one of them: batch_runner.py (the CLI
+and BatchRunner), configure.py (the flags as one validated, frozen RunConfig), preflight.py (the
+checks before anything is written), original_api.py (the original's constructor keywords).
 
 Imports go down this list and never up: input imports nothing of the runner's, execution may import
 input, storage may import input, output may import storage and input; console.py imports nothing.

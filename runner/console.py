@@ -77,3 +77,17 @@ def progress(total: int, unit: str = "prompt", every: float = 10.0, waiting=None
 
         return tqdm(total=total, unit=unit, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     return PlainProgress(total, every=every, unit=unit, waiting=waiting)
+
+
+class Log:
+    """The run's console lines. While a progress bar is shown they go through it, so they never
+    tear it; otherwise they are printed at once."""
+
+    def __init__(self):
+        self.bar = None  # the progress bar of the dispatch, while it runs
+
+    def __call__(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)

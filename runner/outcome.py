@@ -41,6 +41,22 @@ class Stop:
             raise ValueError(f"unknown stop kind {self.kind!r}")
 
 
+class StopState:
+    """The invocation's stop, shared by the dispatch loop and the signal handler: the first reason
+    given is kept (a later one is only logged by whoever found it)."""
+
+    def __init__(self):
+        self.stop: Stop | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.stop is not None
+
+    def request(self, kind: str, message: str = "") -> None:
+        if self.stop is None:
+            self.stop = Stop(kind, message)
+
+
 @dataclass(frozen=True)
 class Outcome:
     kind: str

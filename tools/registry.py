@@ -123,6 +123,7 @@ def validate_toolset(name: str) -> bool:
     return name in toolsets()
 
 
+@functools.cache
 def tool_schema_version() -> str:
     """A short hash of every tool schema: part of the run fingerprint."""
     schemas = [all_tools()[name].openai_schema() for name in all_tool_names()]

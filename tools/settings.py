@@ -76,7 +76,7 @@ TOOL_BACKENDS = "tool_backends"
 
 
 class ToolSettings(CommandOptions, LocalOptions, ContainerOptions):
-    model_config = ConfigDict(extra="forbid")  # a misspelt option is an error, not ignored
+    model_config = ConfigDict(extra="forbid", frozen=True)  # a misspelt option is an error, not ignored
 
     # Where terminal and file tools run: a name in tools.environments.BACKENDS.
     terminal_env: str = flag("local", fingerprint=True, shown="$TERMINAL_ENV or local", help=_terminal_env_help())

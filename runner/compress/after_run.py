@@ -43,3 +43,27 @@ def compress_run(compressor: Compressor) -> Outcome:
     """Compress <run_dir>/trajectories.jsonl into trajectories_compressed.jsonl (resumable)."""
     options = compressor.options
     return compress_files(compressor, [(Path(options.input), Path(options.output))])
+
+
+def compress_after_run(run_dir: Path, config, code: int) -> int:
+    """--compress_to_tokens at the end of a run: trajectories_compressed.jsonl from trajectories.jsonl
+    (left as it is). Returns the run's exit code `code`, or the compression's when it stopped or
+    left rows uncompressed."""
+    import sys
+
+    from runner.compress.journal import JournalError
+    from runner.compress.run import stopped_message, summary_lines
+    from runner.outcome import EXIT_FATAL_PROVIDER, EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK
+
+    print(f"\n🗜️  Compressing trajectories.jsonl to --compress_to_tokens={config.compress_to_tokens:,}...")
+    compressor = compressor_for(run_dir, config)
+    try:
+        outcome = compress_run(compressor)
+    except JournalError as err:
+        print(f"❌ Not compressed: {err}", file=sys.stderr)
+        return code or EXIT_INCOMPLETE
+    if outcome.stopped:
+        print(stopped_message(outcome), file=sys.stderr)
+        return EXIT_FATAL_PROVIDER if outcome.stopped == "fatal" else EXIT_INTERRUPTED
+    print("\n".join(summary_lines(outcome.summary, compressor.metrics_path)))
+    return EXIT_INCOMPLETE if outcome.summary["rows_failed"] and code == EXIT_OK else code

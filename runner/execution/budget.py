@@ -23,46 +23,11 @@ earlier invocations, read from the committed lines, counts) or for this invocati
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from agent.pricing import Prices
 
-SCOPES = ("run", "invocation")
 UNPRICED = "unpriced"  # the error class of a request refused after a reply without a cost (under a budget)
 UNPRICED_REASON = ("a reply came without a cost (the endpoint reports none: no usage.cost, no "
                    "x-litellm-response-cost header) and no prices were given, so --max_cost cannot be enforced")
-
-
-def _non_negative(value: Any, flag: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"--{flag} must be a number >= 0 (got {value!r})")
-    return float(value)
-
-
-def cost_options(flags: dict, model: str) -> dict:
-    """RunConfig fields of the price and budget flags; ValueError with one clear line when bad."""
-    price_in = _non_negative(flags.get("price_input_per_mtok"), "price_input_per_mtok")
-    price_out = _non_negative(flags.get("price_output_per_mtok"), "price_output_per_mtok")
-    price_cached = _non_negative(flags.get("price_cached_input_per_mtok"), "price_cached_input_per_mtok")
-    prices = None
-    if price_in is not None or price_out is not None or price_cached is not None:
-        if price_in is None or price_out is None:
-            raise ValueError("--price_input_per_mtok and --price_output_per_mtok go together (give both; "
-                             "--price_cached_input_per_mtok is optional and defaults to the input price)")
-        prices = Prices(input_per_mtok=price_in, output_per_mtok=price_out, cached_input_per_mtok=price_cached)
-    max_cost = flags.get("max_cost")
-    if max_cost is not None and (isinstance(max_cost, bool) or not isinstance(max_cost, (int, float)) or max_cost <= 0):
-        raise ValueError(f"--max_cost must be a positive number of USD (got {max_cost!r})")
-    scope = flags.get("max_cost_scope")  # None: RunConfig's default (run)
-    if scope is not None and scope not in SCOPES:
-        raise ValueError(f"--max_cost_scope must be run or invocation (got {scope!r})")
-    hard = bool(flags.get("max_cost_hard"))
-    if max_cost is None and hard:
-        raise ValueError("--max_cost_hard needs --max_cost")
-    options = {"prices": prices, "max_cost": None if max_cost is None else float(max_cost), "max_cost_hard": hard}
-    return options if scope is None else {**options, "max_cost_scope": scope}
 
 
 class Budget:

@@ -68,6 +68,11 @@ class DeathWindow:
         return len(self.deaths) >= self.limit
 
 
+# A second Ctrl-C quits at once, yet reads for up to this long what the workers report while they
+# stop (the requests their sessions sent last), so that every request sent is committed.
+QUIT_REPORT_WAIT = 1.0
+
+
 class ProcessExecutor:
     """An Executor (runner/execution/executor.py) on a pool of worker processes on this machine."""
 
@@ -222,6 +227,9 @@ class ProcessExecutor:
     def abandoned(self, error: str, error_class: str) -> list[dict]:
         """After `shutdown`: the records that came in while the workers stopped, and a failed
         record of each row that spent money and did not finish, to be committed."""
+        for worker in self.workers:  # what they reported before they stopped (a quit at once does not wait)
+            if not worker.broken and not worker.conn.closed:
+                self._drain(worker, None)
         records, self._late = self._late, []
         for worker in self.workers:
             records.extend(self._unfinished(worker, error, error_class, spent_only=True))
@@ -258,10 +266,22 @@ class ProcessExecutor:
         _stop_fork_server()
 
     def terminate(self) -> None:
-        """Signal every worker to cancel its sessions and remove their sandboxes; do not wait."""
+        """Signal every worker to cancel its sessions and remove their sandboxes; do not wait for
+        that, only (at most QUIT_REPORT_WAIT) for what they report while they stop: a request a
+        session sent just before may reach the endpoint before its worker's report of it reaches
+        the pipe, and the rows in flight are committed with what was reported."""
         for worker in self.workers:
             if worker.process.is_alive():
                 _cancel(worker)
+        deadline = time.monotonic() + QUIT_REPORT_WAIT
+        while time.monotonic() < deadline:
+            reporting = [w for w in self.workers if not w.broken and not w.conn.closed and w.process.is_alive()]
+            if not reporting:
+                return
+            ready = set(wait([w.conn for w in reporting], max(0.0, deadline - time.monotonic())))
+            for worker in reporting:
+                if worker.conn in ready:
+                    self._drain(worker, None)
 
 
 def _cancel(worker: _Worker) -> None:

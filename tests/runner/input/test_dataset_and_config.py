@@ -39,7 +39,7 @@ def test_max_samples_counts_valid_rows(tmp_path):
 
 
 def _config(**kw) -> RunConfig:
-    return RunConfig(dataset_file="d", run_name="r", batch_size=1, **kw)
+    return RunConfig(dataset_file="d", run_name="r", batch_size=1, **{"seed": 7, **kw})
 
 
 def test_fingerprint_changes_with_output_affecting_options_only():
@@ -55,3 +55,18 @@ def test_public_config_has_no_secret():
     assert "sk-secret" not in str(config.public_dict()) and "sk-brave" not in str(config.public_dict())
     # The model endpoint's key lives on the RunConfig only: the tools reach the model through ctx.model.
     assert "api_key" not in ToolSettings.model_fields and "base_url" not in ToolSettings.model_fields
+
+
+def test_a_validated_configuration_is_frozen_and_settles_what_other_options_decide():
+    import pytest
+    from pydantic import ValidationError
+
+    config = RunConfig(dataset_file="d", run_name="r", batch_size=1, model="mock", base_url="http://x/v1")
+    with pytest.raises(ValidationError, match="frozen"):
+        config.max_turns = 3
+    with pytest.raises(ValidationError, match="frozen"):
+        config.tools.terminal_env = "docker"
+    assert config.base_url is None and config.tools.run_name == "r" and config.tools.model == "mock"
+    assert config.seed_drawn and 0 <= config.seed < 2**31
+    chosen = RunConfig(dataset_file="d", run_name="r", batch_size=1, seed=5)
+    assert chosen.seed == 5 and not chosen.seed_drawn

@@ -59,7 +59,7 @@ def test_original_keyword_constructor_and_run_resume(tmp_path, model_server):
 
 def test_original_defaults_and_bad_keywords(tmp_path):
     proc = _script(tmp_path, """
-        from runner.input.original_api import config_from_original
+        from runner.original_api import config_from_original
         config = config_from_original({"dataset_file": "d.jsonl", "batch_size": 2, "run_name": "r", "api_key": "k"})
         print("DEFAULTS", config.model, config.max_turns, config.num_workers, config.base_url, config.distribution)
         ours = BatchRunner(dataset_file="d.jsonl", batch_size=2, run_name="r", model="mock", output_dir="elsewhere", seed=3)

@@ -13,6 +13,9 @@ import difflib
 import re
 from typing import Any
 
+from runner import configure
+from runner.input.errors import UsageError
+
 # The original constructor's parameters and defaults.
 ORIGINAL_DEFAULTS: dict[str, Any] = {
     "dataset_file": None,
@@ -42,15 +45,13 @@ _SPELLINGS = (("max_iterations", "max_turns"), ("reasoning_config", "reasoning_e
               ("reasoning_config", "reasoning_disabled"), ("prefill_messages", "prefill_messages_file"))
 
 
-def config_from_original(keywords: dict[str, Any]):
+def config_from_original(keywords: dict[str, Any], recorded: dict | None = None):
     """A RunConfig from the original constructor's keywords (plus any of our flags). A bad keyword
     or value raises as the CLI would, in the keywords' words (`batch_size`, not `--batch_size`)."""
-    import batch_runner
-
     try:
-        return _config(keywords)
-    except batch_runner.UsageError as err:
-        raise batch_runner.UsageError(keyword_message(str(err), keywords)) from None
+        return _config(keywords, recorded)
+    except UsageError as err:
+        raise UsageError(keyword_message(str(err), keywords)) from None
 
 
 def keyword_message(text: str, keywords: dict[str, Any]) -> str:
@@ -81,9 +82,7 @@ def _unknown_keywords(unknown: list[str], known: set[str]) -> TypeError:
     return TypeError(f"BatchRunner() got an unexpected keyword argument {unknown[0]!r}{hint}")
 
 
-def _config(keywords: dict[str, Any]):
-    import batch_runner
-
+def _config(keywords: dict[str, Any], recorded: dict | None):
     from runner.input.flags import FLAGS
 
     # Not the command flags (--resume, --report, ...): run() and its resume take their place.
@@ -93,29 +92,26 @@ def _config(keywords: dict[str, Any]):
         raise _unknown_keywords(unknown, known)
     given = {**ORIGINAL_DEFAULTS, **keywords}
     if given.pop("openrouter_min_coding_score") is not None:
-        raise batch_runner.UsageError("openrouter_min_coding_score is not supported (no pareto-router plugin)")
+        raise UsageError("openrouter_min_coding_score is not supported (no pareto-router plugin)")
     for original, ours in _SPELLINGS:
         if keywords.get(original) is not None and keywords.get(ours) is not None:
             # Two spellings of one setting: which one wins would be a guess, so neither does.
-            raise batch_runner.UsageError(f"BatchRunner() got both {original} and {ours}: they set the same "
+            raise UsageError(f"BatchRunner() got both {original} and {ours}: they set the same "
                                           f"thing, give one of them")
     reasoning = given.pop("reasoning_config")
     if reasoning is not None and not isinstance(reasoning, dict):
-        raise batch_runner.UsageError(f"reasoning_config must be a dict such as {{'effort': 'high'}} (got {reasoning!r})")
+        raise UsageError(f"reasoning_config must be a dict such as {{'effort': 'high'}} (got {reasoning!r})")
     prefill = given.pop("prefill_messages")
     if prefill is not None and not (isinstance(prefill, list) and all(
         isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
         for m in prefill
     )):
-        raise batch_runner.UsageError("prefill_messages must be a list of {'role', 'content'} dicts")
+        raise UsageError("prefill_messages must be a list of {'role', 'content'} dicts")
     # A flag the script leaves out (or gives as None, like the original's base_url) keeps the CLI's default.
     max_iterations = given.pop("max_iterations")
     flags = {**given, "max_turns": keywords.get("max_turns", max_iterations)}
-    config = batch_runner.build_config(**flags)
-    # The original's keywords replace only what build_config made of our flags when they are given:
+    # The original's keywords replace only what build_config makes of our flags when they are given:
     # reasoning_effort=, reasoning_disabled= and prefill_messages_file= are kept otherwise.
-    if reasoning is not None:
-        config.reasoning = reasoning
-    if prefill is not None:
-        config.prefill_messages = prefill
-    return config
+    originals = {"reasoning": reasoning, "prefill_messages": prefill}
+    return configure.build_config(**flags, recorded=recorded,
+                                  given_fields={name: value for name, value in originals.items() if value is not None})
