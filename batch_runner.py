@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner import commands
-from runner.configure import UsageError, build_config, recorded_config, with_recorded_flags
+from runner.configure import UsageError, build_config, recorded_config, with_recorded_flags, with_recorded_seed
 from runner.console import Log, plural
 from runner.storage.store import StorageError
 from runner.input.config import Commands
@@ -188,11 +188,15 @@ class BatchRunner:
         try:
             if resume is not None:
                 self.resume = bool(resume)
-            if self._keywords is not None and self.resume:
-                # Built again with what the resumed run recorded (its drawn seed, above all).
-                from runner.original_api import config_from_original
+            if self.resume:
+                # What the resumed run recorded: its drawn seed, above all (and, from keywords, the rest).
+                recorded = recorded_config(self.config.model_dump())
+                if self._keywords is not None:
+                    from runner.original_api import config_from_original
 
-                self.config = config_from_original(self._keywords, recorded_config(self.config.model_dump()))
+                    self.config = config_from_original(self._keywords, recorded)
+                else:
+                    self.config = with_recorded_seed(self.config, recorded)
             return self._run()
         except UsageError as err:
             if self._keywords is None:

@@ -169,6 +169,15 @@ def _settled_seed(given: Any, recorded: dict) -> dict:
     return {"seed": given}
 
 
+def with_recorded_seed(config, recorded: dict):
+    """The config, its drawn seed replaced by the one the resumed run drew (config.json records
+    it): a RunConfig built without --seed draws a new one, yet a resume samples as the run began."""
+    settled = _settled_seed(None, recorded)
+    if not config.seed_drawn or not settled.get("seed_drawn") or settled["seed"] == config.seed:
+        return config
+    return config.model_copy(update={"seed": settled["seed"]})
+
+
 def export_formats(value: Any) -> list[str] | None:
     from runner.output.export import parse_formats
 

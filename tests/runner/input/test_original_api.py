@@ -158,3 +158,28 @@ def test_a_misspelt_keyword_is_named_with_the_closest_one_and_errors_name_keywor
     assert "REFUSED UsageError tool_choice must be one of: auto, required, none (got 'sometimes')" in out
     assert "RUN UsageError d.jsonl: 1 invalid line(s) (listed above); fix them or pass skip_invalid=True to run the valid rows" in out
     assert "--" not in "".join(line for line in out.splitlines() if line.startswith(("REFUSED", "RUN")))
+
+
+def test_a_run_config_without_seed_resumes_with_the_seed_the_run_drew(tmp_path):
+    """BatchRunner(config, resume=True): a RunConfig built without a seed draws a new one, but the
+    resumed run samples with the seed it drew first (as the CLI's --resume does), and says nothing
+    of a changed configuration."""
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"question {i}?"} for i in range(4)])
+    proc = _script(tmp_path, """
+        import json
+        from runner.configure import build_config
+        flags = dict(dataset_file="d.jsonl", batch_size=2, run_name="cfg", model="mock", num_workers=1)
+        first = BatchRunner(build_config(**flags, max_samples=2)).run()
+        drawn = json.load(open("data/cfg/config.json"))["config"]["seed"]
+        config = build_config(**flags)
+        again = BatchRunner(config, resume=True).run()
+        print("CODES", first, again, config.seed != drawn)
+        print("SEEDS", drawn, json.load(open("data/cfg/config.json"))["config"]["seed"])
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "CODES 0 0 True" in proc.stdout, proc.stdout + proc.stderr
+    drawn, recorded = proc.stdout.split("SEEDS ")[1].split()[:2]
+    assert drawn == recorded
+    rows = read_jsonl(tmp_path / "data" / "cfg" / "trajectories.jsonl")
+    assert len(rows) == 4 and {row["metadata"]["seed"] for row in rows} == {int(drawn)}
+    assert "configuration" not in proc.stdout + proc.stderr
