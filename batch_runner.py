@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner import commands
-from runner.configure import UsageError, build_config, recorded_config, with_recorded_flags, with_recorded_seed
+from runner.configure import (UsageError, build_config, recorded_config, with_new_run_id, with_recorded_flags,
+                              with_recorded_seed)
 from runner.console import Log, plural
 from runner.storage.store import StorageError
 from runner.input.config import Commands
@@ -175,6 +176,7 @@ class BatchRunner:
         self._interrupts = 0
         self._phase = "starting"  # starting -> dispatch -> finishing: what a Ctrl-C interrupts
         self._dispatcher = None  # runner.execution.dispatch.Dispatcher once the run directory is ready
+        self._invocations = 0  # calls of run(): each one is an invocation of its own
         self.started_at = now_iso()
         self._started_clock = time.monotonic()  # the same instant, for the live rate
 
@@ -197,6 +199,7 @@ class BatchRunner:
                     self.config = config_from_original(self._keywords, recorded)
                 else:
                     self.config = with_recorded_seed(self.config, recorded)
+            self._begin_invocation()
             return self._run()
         except UsageError as err:
             if self._keywords is None:
@@ -204,6 +207,19 @@ class BatchRunner:
             from runner.original_api import keyword_message
 
             raise UsageError(keyword_message(str(err), self._keywords)) from None
+
+    def _begin_invocation(self) -> None:
+        """Each call of run() is an invocation of its own: its start, its stops and Ctrl-Cs, and from
+        the second call on a new run id (config.json times each invocation by its run id)."""
+        if self._invocations:
+            self.config = with_new_run_id(self.config)
+        self._invocations += 1
+        self.stops = StopState()
+        self._interrupts = 0
+        self._phase = "starting"
+        self._dispatcher = None
+        self.started_at = now_iso()
+        self._started_clock = time.monotonic()
 
     def _run(self) -> int:
         _refuse_run_while_a_worker_imports_the_script()

@@ -148,7 +148,7 @@ def build_config(*, recorded: dict | None = None, given_fields: dict | None = No
                             _as_list(request.get("providers_order"), "providers_order"), request.get("provider_sort")),
         "reasoning": checked(reasoning_request, request.get("reasoning_effort"), bool(request.get("reasoning_disabled"))),
         **checked(cost_options, cost_flags, fields.get("model")),
-        "tools": {**tools, "run_id": uuid.uuid4().hex[:12]},
+        "tools": {**tools, "run_id": new_run_id()},
     }
     config = validated(RunConfig, **{**values, **(given_fields or {})})
     _require_api_key(config)
@@ -176,6 +176,15 @@ def with_recorded_seed(config, recorded: dict):
     if not config.seed_drawn or not settled.get("seed_drawn") or settled["seed"] == config.seed:
         return config
     return config.model_copy(update={"seed": settled["seed"]})
+
+
+def with_new_run_id(config):
+    """The config with a run id of its own, for another invocation of the same configuration."""
+    return config.model_copy(update={"tools": config.tools.model_copy(update={"run_id": new_run_id()})})
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 def export_formats(value: Any) -> list[str] | None:

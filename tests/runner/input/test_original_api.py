@@ -183,3 +183,37 @@ def test_a_run_config_without_seed_resumes_with_the_seed_the_run_drew(tmp_path):
     rows = read_jsonl(tmp_path / "data" / "cfg" / "trajectories.jsonl")
     assert len(rows) == 4 and {row["metadata"]["seed"] for row in rows} == {int(drawn)}
     assert "configuration" not in proc.stdout + proc.stderr
+
+
+def test_each_run_of_one_runner_is_its_own_invocation(tmp_path):
+    """run() then run(resume=True) on the same object: two invocations, each with its own run id
+    and start, so the run's duration is the time actually spent running."""
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"question {i}?"} for i in range(4)])
+    proc = _script(tmp_path, """
+        import json, time
+        from runner.configure import build_config
+        for name, runner in (("cfg", BatchRunner(build_config(dataset_file="d.jsonl", batch_size=2, run_name="cfg",
+                                                              model="mock", num_workers=1, max_samples=2))),
+                             ("kw", BatchRunner(dataset_file="d.jsonl", batch_size=2, run_name="kw", model="mock",
+                                                num_workers=1, max_samples=2))):
+            first = runner.run()
+            time.sleep(3)
+            again = runner.run(resume=True)
+            print("CODES", name, first, again)
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "CODES cfg 0 0" in proc.stdout and "CODES kw 0 0" in proc.stdout
+    for name in ("cfg", "kw"):
+        first, again = json.loads((tmp_path / "data" / name / "config.json").read_text())["invocations"]
+        assert first["run_id"] != again["run_id"]
+        assert first["ended_at"] <= again["started_at"]
+        run_time = json.loads((tmp_path / "data" / name / "statistics.json").read_text())["run_time"]
+        assert run_time["invocations"] == 2
+        # the 3 s between the two calls are not running time
+        assert run_time["running_seconds"] < (_seconds(again["ended_at"]) - _seconds(first["started_at"])) - 2.5
+
+
+def _seconds(timestamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(timestamp).timestamp()
