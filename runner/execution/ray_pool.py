@@ -57,10 +57,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 class NodeWorker:
     """The body of the per-node Ray actor (wrapped with `ray.remote` by RayExecutor)."""
 
-    def __init__(self, config: RunConfig, unavailable: dict[str, str], sessions: int):
+    def __init__(self, config: RunConfig, unavailable: dict[str, str], sessions: int, run_sessions: int):
         self.config = config
         self.unavailable = unavailable
         self.sessions = sessions
+        self.run_sessions = run_sessions  # every node's sessions: this node's share of the request rate
         self.runtime = None  # built on first use, inside the actor's event loop
         self.node_missing: dict[str, str] = {}  # tools the driver offers but this node cannot run
         self.logs: list[str] = []
@@ -85,9 +86,8 @@ class NodeWorker:
             # A tool must work on the driver's machine (where the run was checked) and on this node
             # (Chromium, keys and packages may differ between machines): offer it only if both agree.
             self.node_missing = {k: v for k, v in unavailable_tools(self.config.tools).items() if k not in self.unavailable}
-            self.runtime = WorkerRuntime(
-                self.config, {**self.unavailable, **self.node_missing}, self.sessions, self._log
-            )
+            self.runtime = WorkerRuntime(self.config, {**self.unavailable, **self.node_missing}, self.sessions,
+                                         self._log, run_sessions=self.run_sessions)
             self.runtime.report_usage = self._report_usage
             if self.config.max_cost is not None:  # the driver, which knows every node's spend, admits each request
                 self.runtime.admit = self._ask_driver
@@ -336,9 +336,6 @@ class RayExecutor:
         return {"env_vars": {"PYTHONPATH": path}}
 
     def _create_actor(self, node_id: str, node: dict, nodes: int) -> None:
-        # WorkerRuntime gives each worker sessions / num_workers of --max_requests_per_minute: here
-        # num_workers is every session of the cluster, so the budget is the whole run's.
-        config = self.config.model_copy(update={"num_workers": self.sessions * max(1, nodes)})
         options: dict[str, Any] = {
             "scheduling_strategy": self._affinity(node_id=node_id, soft=False),
             # the sessions, plus room for ready(), updates(), answer() and close()
@@ -350,7 +347,9 @@ class RayExecutor:
         runtime_env = self._runtime_env(node)
         if runtime_env:
             options["runtime_env"] = runtime_env
-        handle = self._actor_cls.options(**options).remote(config, self.unavailable, self.sessions)
+        # Each node gets its share of --max_requests_per_minute: its sessions of every node's.
+        handle = self._actor_cls.options(**options).remote(self.config, self.unavailable, self.sessions,
+                                                           self.sessions * max(1, nodes))
         self.actors.append(_Actor(node_id, handle, self.sessions, ready_ref=handle.ready.remote()))
 
     # --- the executor interface -------------------------------------------------------------

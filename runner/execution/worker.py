@@ -42,7 +42,8 @@ from runner.timestamps import now_iso
 class WorkerRuntime:
     """What one worker process shares between its sessions: built once, not per prompt."""
 
-    def __init__(self, config: RunConfig, unavailable: dict[str, str], sessions: int, log=None):
+    def __init__(self, config: RunConfig, unavailable: dict[str, str], sessions: int, log=None,
+                 run_sessions: int | None = None):
         self.config = config
         self.unavailable = unavailable
         self.log = log or (lambda text: None)
@@ -56,8 +57,10 @@ class WorkerRuntime:
                 config.base_url,
                 config.api_key.get_secret_value() if config.api_key else None,
                 max_in_flight=sessions,
-                # The run's budget is shared between processes in proportion to their sessions.
-                requests_per_minute=(config.max_requests_per_minute * sessions / max(sessions, config.num_workers)
+                # The run's rate is shared between processes in proportion to their sessions, of
+                # `run_sessions` in all (--num_workers, unless a Ray cluster's nodes have more).
+                requests_per_minute=(config.max_requests_per_minute * sessions
+                                     / max(sessions, run_sessions or config.num_workers)
                                      if config.max_requests_per_minute else None),
                 policy=RetryPolicy(request_timeout=config.request_timeout),
                 prompt_caching=config.prompt_caching,

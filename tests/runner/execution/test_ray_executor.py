@@ -325,7 +325,7 @@ def test_a_node_offers_only_the_tools_it_can_run():
 
     config = RunConfig(dataset_file="d", run_name="r", batch_size=1, model="mock",
                        tools=ToolSettings(browser_executable="/nonexistent/chromium"))
-    worker = NodeWorker(config, unavailable={"web_search": "no search backend configured"}, sessions=1)
+    worker = NodeWorker(config, unavailable={"web_search": "no search backend configured"}, sessions=1, run_sessions=1)
     runtime = worker._runtime()
     assert "browser_navigate" in worker.node_missing and "web_search" not in worker.node_missing
     assert "browser_navigate" in runtime.unavailable and "web_search" in runtime.unavailable
