@@ -365,9 +365,6 @@ class BatchRunner:
             print(f"   Workers: Ray cluster {c.ray_address or '(local)'}, {plural(c.sessions_per_node or c.num_workers, 'session')} per node")
         else:
             print(f"   Workers: {plural(self._sessions(), 'concurrent session')}")
-        if c.reasoning:
-            effort = c.reasoning.get("effort")
-            print("   🧠 Reasoning: DISABLED (effort=none)" if effort == "none" else f"   🧠 Reasoning effort: {effort}")
         if c.ephemeral_system_prompt:
             text = c.ephemeral_system_prompt
             print(f"   🔒 Ephemeral system prompt: '{text[:60]}{'...' if len(text) > 60 else ''}'")

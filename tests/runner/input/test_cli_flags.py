@@ -167,3 +167,15 @@ def test_each_default_is_defined_once_on_its_config_field():
     drawn = {"tools", "seed"}  # without --seed, each configuration draws its own
     assert config.model_dump(exclude=drawn) == RunConfig(dataset_file="d.jsonl", batch_size=1, run_name="r",
                                                          model="mock").model_dump(exclude=drawn)
+
+
+@pytest.mark.parametrize("flag, line", [("--reasoning_disabled", "🧠 Reasoning: DISABLED (effort=none)"),
+                                        ("--reasoning_effort=high", "🧠 Reasoning effort: high")])
+def test_the_reasoning_line_comes_first_as_the_original_prints_it(tmp_path, flag, line):
+    """The reasoning setting is reported once the flags are read, on its own line, before the header."""
+    data = _dataset(tmp_path)
+    proc = run_cli([f"--dataset_file={data}", "--batch_size=1", "--run_name=r", "--model=mock", flag], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines.count(line) == 1 and not any(other.strip() == line and other != line for other in lines)
+    assert lines.index(line) < lines.index("📊 Batch Runner Initialized")
