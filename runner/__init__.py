@@ -11,6 +11,8 @@ The driver's modules drive the stages and may import every one of them: batch_ru
 and BatchRunner), configure.py (the flags as one validated, frozen RunConfig), preflight.py (the
 checks before anything is written), original_api.py (the original's constructor keywords).
 
-Imports go down this list and never up: input imports nothing of the runner's, execution may import
-input, storage may import input, output may import storage and input; console.py imports nothing.
+Imports go one way, never back: input imports nothing of the runner's (timestamps.py aside); storage
+may import input; execution may import input, storage (the records a worker writes) and scoring (the
+scorers a worker runs); output may import storage and input; console.py and outcome.py import
+nothing. No stage imports the driver's modules. tests/runner/test_layering.py checks these rules.
 """
