@@ -50,7 +50,7 @@ from runner import commands
 from runner.configure import (UsageError, build_config, recorded_config, with_new_run_id, with_recorded_flags,
                               with_recorded_seed)
 from runner.console import Log, plural
-from runner.storage.store import StorageError
+from runner.storage.errors import StorageError
 from runner.input.config import Commands
 from runner.input.flags import flag_named, main_signature
 from toolset_distributions import format_distribution_catalogue

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 from runner.storage.records import (OUTCOME_RANK, LineFields, outcome_of, record_line, row_key_of, stamp_batch,
                                     validate_record)
+from runner.storage.errors import StorageError  # noqa: F401  (raised here, caught by the CLI)
 from runner.storage.runfiles import CheckpointError, CheckpointFile, read_checkpoint, write_checkpoint
 from runner.storage.runview import NO_WINNER, SPEND_BUCKETS, RowEntry, RunView, Selection, Spend
 from runner.input.secrets import redact_bytes
@@ -35,15 +36,6 @@ _OUTCOME_NAME = {rank: name for name, rank in OUTCOME_RANK.items()}
 
 # errno values that mean "the disk cannot take this write", not "our bug"
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
-
-
-class StorageError(Exception):
-    """The run directory cannot be written (disk full, quota, read-only, I/O error)."""
-
-    def __init__(self, path: Path | str, error: OSError):
-        self.path = Path(path)
-        self.error = error
-        super().__init__(f"cannot write {self.path}: {error.strerror or error}")
 
 
 @contextmanager

@@ -11,8 +11,10 @@ import pytest
 from tests.conftest import REPO, write_jsonl
 
 # Code a command that runs nothing must not load: the model client (and its HTTP stack), the
-# executors and workers, the environment backends, the tools, the output writers.
-HEAVY = ("agent.model_client", "agent.loop", "httpx2", "runner.execution", "runner.output",
+# executors and workers, the environment backends, the tools, the output writers, the store and its
+# record models.
+HEAVY = ("agent.model_client", "agent.loop", "httpx2", "runner.execution", "runner.output", "runner.storage.store",
+         "runner.storage.records",
          "runner.scoring", "tools.environments.local", "tools.environments.docker", "tools.environments.base",
          "tools.terminal_tool", "tools.file_tools", "docker", "ray")
 
