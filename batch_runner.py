@@ -41,6 +41,14 @@ if __name__ == "__main__":  # first thing, before the heavy imports; never when 
     # The re-exec (runner/input/secrets.py) blocks both signals across execve, so one sent while the new
     # interpreter starts waits here instead of killing it or raising KeyboardInterrupt in its imports.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+    if sys.argv[1:] == ["--list_distributions"]:  # the catalogue alone needs no flag, configuration or run code
+        from toolset_distributions import format_distribution_catalogue
+
+        try:
+            print(format_distribution_catalogue(), flush=True)
+        except BrokenPipeError:  # `| head`: the reader has seen what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0)
 
 import time
 from pathlib import Path

@@ -34,6 +34,16 @@ def test_a_command_that_runs_nothing_imports_no_model_executor_or_environment(tm
             "bad value": [f"--dataset_file={data}", "--batch_size=0", "--run_name=r", "--model=mock"]}[kind]
     proc, modules = _imported(args, tmp_path)
     assert proc.returncode == (1 if kind == "bad value" else 0), proc.stdout + proc.stderr[-2000:]
-    assert "runner.input.flags" in modules  # (the measurement works)
+    assert "toolset_distributions" in modules  # (the measurement works)
     loaded = sorted(m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY))
     assert loaded == [], loaded
+
+
+def test_the_catalogue_alone_loads_no_flag_or_configuration_code(tmp_path):
+    proc, modules = _imported(["--list_distributions"], tmp_path)
+    assert proc.returncode == 0 and "Available Toolset Distributions" in proc.stdout
+    assert not {m for m in modules if m.startswith(("pydantic", "runner", "fire"))}, sorted(modules)
+    # With other flags it goes the usual way (their names checked), and says the same.
+    proc_with_flags, modules = _imported(["--list_distributions", "--verbose"], tmp_path)
+    assert proc_with_flags.returncode == 0 and proc_with_flags.stdout == proc.stdout
+    assert "runner.input.flags" in modules
