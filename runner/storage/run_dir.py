@@ -41,7 +41,8 @@ class RunDirectory:
         if has_rows and self.overwrite:
             # Only what the runner wrote: a dataset or notes the user keeps in the folder stay.
             dataset = Path(self.config.dataset_file).resolve()
-            for path in own_files(self.path):
+            # config.json last: a kill in between leaves rows only with the configuration they were made with
+            for path in sorted(own_files(self.path), key=lambda path: path.name == "config.json"):
                 if path.resolve() != dataset:
                     path.unlink(missing_ok=True)
             print(f"🗑️  --overwrite: removed the earlier outputs of the runner in {self.path}")
@@ -59,6 +60,7 @@ class RunDirectory:
 
         recorded = read_config(self.path)
         if recorded is None:
+            self._refuse_rows_without_configuration()
             return
         saved, current = recorded.fingerprint_fields, self.config.fingerprint_fields()
         changed = diff_fingerprints(saved, current)
@@ -78,6 +80,21 @@ class RunDirectory:
                 f"--samples_per_prompt={wanted} is lower than the {recorded_samples} samples per prompt of the run "
                 f"in {self.path} (their samples are already paid for); resume with "
                 f"--samples_per_prompt={recorded_samples} or more")
+
+    def _refuse_rows_without_configuration(self) -> None:
+        """Rows whose config.json is gone or unreadable cannot be checked against this invocation's
+        configuration (nor sampled again with their seed): mixing them takes --allow_config_change."""
+        from runner.storage.store import batch_files
+
+        if not batch_files(self.path):
+            return
+        if not self.allow_config_change:
+            raise UsageError(
+                f"--resume: {self.path / 'config.json'} is missing or unreadable, so the configuration the rows in "
+                f"{self.path} were made with cannot be checked; pass --allow_config_change to continue them with "
+                "this invocation's configuration")
+        print(f"⚠️  {self.path / 'config.json'} is missing or unreadable; continuing with this invocation's "
+              "configuration because of --allow_config_change")
 
     def write_config(self) -> None:
         """config.json: the configuration, its fingerprint, and this invocation appended to the run's."""

@@ -34,3 +34,29 @@ def test_resume_with_only_the_run_name_continues_the_recorded_configuration(tmp_
     assert changed.returncode == 1, changed.stdout + changed.stderr
     assert "max_turns: 3 -> 5" in changed.stderr and "model: 'test-model' -> 'other-model'" in changed.stderr
     assert SECRET_KEY not in (tmp_path / "data" / "r" / "config.json").read_text()
+
+
+def test_resume_refuses_rows_whose_config_json_cannot_be_read(tmp_path):
+    """Rows without a readable config.json cannot be checked against this invocation's
+    configuration (nor resampled with their seed): --resume refuses, naming the file, and keeps
+    everything as it is; --allow_config_change continues with this invocation's configuration."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "First?"}, {"prompt": "Second?"}])
+    flags = [f"--dataset_file={data}", "--batch_size=1", "--run_name=r", "--model=mock"]
+    first = run_cli([*flags, "--max_samples=1"], tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_dir = tmp_path / "data" / "r"
+    (run_dir / "config.json").write_text('{"config": {"model": "mo', encoding="utf-8")
+    def files():  # (the lock records each invocation that takes it)
+        return {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file() and path.name != ".lock"}
+
+    before = files()
+
+    refused = run_cli([*flags, "--resume", "--max_turns=4"], tmp_path)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "config.json" in errors[0] and "--allow_config_change" in errors[0], refused.stderr
+    assert files() == before
+
+    allowed = run_cli([*flags, "--resume", "--allow_config_change"], tmp_path)
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 2
