@@ -95,6 +95,7 @@ class ProcessExecutor:
         self._ctx.set_forkserver_preload(["runner.execution.shielded", "runner.execution.worker",
                                           "agent.model_client", "openai"])
         self.workers: list[_Worker] = []
+        self._reading = False  # a pipe is being read (see _drain)
         self._deaths = [DeathWindow(self.CRASH_LOOP_DEATHS, self.CRASH_LOOP_WINDOW) for _ in self.slot_plan]
         self.stop_reason: str | None = None  # set when workers keep dying: the run should stop
         self.watcher: SpendWatcher | None = None  # told each request's usage; admits requests (the budget)
@@ -154,6 +155,15 @@ class ProcessExecutor:
 
     def _drain(self, worker: _Worker, records: list[dict] | None) -> None:
         """Read the worker's complete messages; end-of-file or a message cut short marks it broken."""
+        # A second Ctrl-C's handler runs on this thread, between any two steps of a read: it reads
+        # the pipes itself only when no read was cut in the middle (a pipe holds whole messages).
+        self._reading = True
+        try:
+            self._read_messages(worker, records)
+        finally:
+            self._reading = False
+
+    def _read_messages(self, worker: _Worker, records: list[dict] | None) -> None:
         for _ in range(self.DRAIN_LIMIT):
             try:
                 if not worker.conn.poll():
@@ -228,7 +238,7 @@ class ProcessExecutor:
         """After `shutdown`: the records that came in while the workers stopped, and a failed
         record of each row that spent money and did not finish, to be committed."""
         for worker in self.workers:  # what they reported before they stopped (a quit at once does not wait)
-            if not worker.broken and not worker.conn.closed:
+            if not worker.broken and not worker.conn.closed and not self._reading:
                 self._drain(worker, None)
         records, self._late = self._late, []
         for worker in self.workers:
@@ -274,7 +284,7 @@ class ProcessExecutor:
             if worker.process.is_alive():
                 _cancel(worker)
         deadline = time.monotonic() + QUIT_REPORT_WAIT
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._reading:
             reporting = [w for w in self.workers if not w.broken and not w.conn.closed and w.process.is_alive()]
             if not reporting:
                 return
