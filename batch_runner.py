@@ -55,8 +55,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner import commands
-from runner.configure import (UsageError, build_config, recorded_config, with_new_run_id, with_recorded_flags,
-                              with_recorded_seed)
+from runner.configure import (UsageError, build_config, print_reasoning, recorded_config, with_new_run_id,
+                              with_recorded_flags, with_recorded_seed)
 from runner.console import Log, plural
 from runner.storage.errors import StorageError
 from runner.input.config import Commands
@@ -101,6 +101,7 @@ def main(**flags: Any):
             raise SystemExit(commands.export_only(flags.get("output_dir"), flags.get("run_name"), flags["export"]))
         recorded = recorded_config(flags) if command["resume"] else {}
         config = build_config(**with_recorded_flags(flags, recorded), recorded=recorded)
+        print_reasoning(config)
         code = BatchRunner(config, resume=bool(command["resume"]), overwrite=bool(command["overwrite"]),
                            allow_config_change=bool(command["allow_config_change"])).run()
     except UsageError as err:
@@ -172,6 +173,7 @@ class BatchRunner:
             from runner.original_api import config_from_original
 
             config = config_from_original(original_keywords)  # bad keywords raise here, as the original's did
+            print_reasoning(config)
         elif original_keywords:
             raise TypeError("BatchRunner() takes a RunConfig or the original's keywords, not both")
         self.config = config

@@ -157,11 +157,10 @@ def build_config(*, recorded: dict | None = None, given_fields: dict | None = No
     checked(check_scoring, config)
     if "dpo" in (config.export or []) and not config.scorer:
         raise UsageError("--export=dpo needs scored samples: add --scorer (and several samples per prompt)")
-    _print_reasoning(config)
     return config
 
 
-def _print_reasoning(config) -> None:
+def print_reasoning(config) -> None:
     """The reasoning the requests ask for, once the flags are read (before the run's header)."""
     if config.reasoning:
         effort = config.reasoning.get("effort")

@@ -43,6 +43,7 @@ def test_original_keyword_constructor_and_run_resume(tmp_path, model_server):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "CODES 0 0" in proc.stdout
     assert "Resuming: 2 of 2 rows already committed" in proc.stdout
+    assert proc.stdout.count("🧠 Reasoning effort: high") == 2  # once per runner built, not again at its resume
     rows = read_jsonl(tmp_path / "data" / "api_run" / "trajectories.jsonl")
     assert len(rows) == 2 and rows[0]["metadata"]["model"] == "test-model"
     chat = [r for r in model_server.requests if r.path.endswith("/chat/completions")]
