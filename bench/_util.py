@@ -227,6 +227,20 @@ class CliRun:
         return "\n".join(line for _, line in self.lines[-n:])
 
 
+def finalize_phases(run_dir: Path, t_combining: float, t_exit: float) -> dict:
+    """The finalize step split by when its files were last written (wall-clock timestamps):
+    merge = '📦 Combining' to trajectories.jsonl, statistics = to statistics.json, report = to
+    report.html, exit = report.html to the runner's exit."""
+    marks = [t_combining]
+    for name in ("trajectories.jsonl", "statistics.json", "report.html"):
+        try:
+            marks.append(max(marks[-1], (run_dir / name).stat().st_mtime))
+        except OSError:
+            marks.append(marks[-1])
+    return {"merge": marks[1] - marks[0], "statistics": marks[2] - marks[1], "report": marks[3] - marks[2],
+            "exit": max(0.0, t_exit - marks[3])}
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float, *, sample: bool = False, stderr_path: Path | None = None,
             on_line=None, interval: float = 0.2) -> CliRun:
     """Run `python batch_runner.py ARGS`, timestamping each stdout line; reap it with os.wait4.

@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import psutil  # noqa: E402
 
-from _util import PY, REPO, cmd_text, env_for_children, make_tmpdir, print_table, verdict  # noqa: E402
+from _util import PY, REPO, cmd_text, env_for_children, finalize_phases, make_tmpdir, print_table, verdict  # noqa: E402
 
 PRESETS = {"full": 1_000_000, "quick": 2_000}
 SESSIONS = 64
@@ -157,19 +157,6 @@ def wait_gone(procs: list[psutil.Process], limit: float = 30.0) -> None:
         print(f"  ! process {proc.pid} outlived the kill by {limit:g} s")
 
 
-def file_phases(run_dir: Path, t_combining: float | None, t_exit: float) -> dict[str, float | None]:
-    if t_combining is None:
-        return {"merge": None, "statistics": None, "report": None, "exit": None}
-    marks = [t_combining]
-    for name in ("trajectories.jsonl", "statistics.json", "report.html"):
-        try:
-            marks.append(max(marks[-1], (run_dir / name).stat().st_mtime))
-        except OSError:
-            marks.append(marks[-1])
-    return {"merge": marks[1] - marks[0], "statistics": marks[2] - marks[1], "report": marks[3] - marks[2],
-            "exit": max(0.0, t_exit - marks[3])}
-
-
 def rss_growth(phase: Phase) -> tuple[float | None, float | None, float | None]:
     """Parent RSS (MB) at the first quarter and the end of the dispatch, and the peak in it."""
     t0, t1 = phase.marks.get("🚀 Running"), phase.marks.get("📦 Combining", phase.ended)
@@ -220,7 +207,9 @@ def main() -> None:
         run_dir = out / "million"
         if second.returncode != 0:
             raise SystemExit(f"phase 2 exited with {second.returncode}")
-        files = file_phases(run_dir, second.marks.get("📦 Combining"), second.ended)
+        combining = second.marks.get("📦 Combining")
+        files = (finalize_phases(run_dir, combining, second.ended) if combining is not None
+                 else dict.fromkeys(("merge", "statistics", "report", "exit")))
         lines = count_lines(run_dir / "trajectories.jsonl")
         report_size = (run_dir / "report.html").stat().st_size
         stats = json.loads((run_dir / "statistics.json").read_text())

@@ -40,7 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import psutil  # noqa: E402
 
-from _util import PY, REPO, ModelServerProcess, cmd_text, env_for_children, make_tmpdir, median, print_table, run_cli, verdict  # noqa: E402
+from _util import (PY, REPO, ModelServerProcess, cmd_text, env_for_children, finalize_phases, make_tmpdir,  # noqa: E402
+                   median, print_table, run_cli, verdict)
 
 PRESETS = {
     "a": {"sessions": 64, "latency": 0.5, "prompts": 2000},
@@ -84,20 +85,6 @@ def steady_rows(stamps: list[float], sessions: int) -> float | None:
         return None
     lo, hi = stamps[sessions - 1], stamps[-sessions - 1]
     return (len(stamps) - 2 * sessions) / (hi - lo) if hi > lo else None
-
-
-def finalize_phases(run_dir: Path, t_combining: float, t_exit: float) -> dict:
-    """The finalize step split by when its files were last written (wall-clock timestamps):
-    merge = '📦 Combining' to trajectories.jsonl, statistics = to statistics.json, report = to
-    report.html, exit = report.html to the runner's exit."""
-    marks = [t_combining]
-    for name in ("trajectories.jsonl", "statistics.json", "report.html"):
-        try:
-            marks.append(max(marks[-1], (run_dir / name).stat().st_mtime))
-        except OSError:
-            marks.append(marks[-1])
-    return {"merge": marks[1] - marks[0], "statistics": marks[2] - marks[1], "report": marks[3] - marks[2],
-            "exit": max(0.0, t_exit - marks[3])}
 
 
 def run_preset(name: str, sessions: int, latency: float, prompts: int, keep: bool, processes: int | None,
