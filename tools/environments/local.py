@@ -3,8 +3,8 @@
 Without a sandbox, commands run as the runner's own user with full access to the host: fast, and
 fine for trusted prompts. With `sandbox="bwrap"` each session gets one bubblewrap sandbox that
 behaves like a small container: only the host's system folders (/usr, /etc, ...) read-only, the
-session's working folder writable, a private /tmp and /run (no host unix socket is reachable: not
-the Docker engine's, not the runner's own forkserver's), no network (only `lo`), its own PID, IPC,
+session's working folder writable, a private /tmp and /run, no unix socket (socket_filter.py: the
+commands cannot create one, so no host socket is reachable), no network (only `lo`), its own PID, IPC,
 UTS and cgroup namespaces, and no capabilities. A long-lived `cat` keeps the sandbox alive and every
 command joins its namespaces with `nsenter`, then drops every capability, sets no_new_privs and, for
 a runner as root, becomes nobody with `setpriv` (nsenter alone would hand it all of the runner's),
@@ -22,6 +22,7 @@ reparented to init and keeps running.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import pwd
@@ -41,6 +42,7 @@ from tools.environments.base import (
     environ_of, keep_processes_marked, kill_orphans, own_descendants, quote, read_at_most, start_command,
     truncate_output,
 )  # fmt: skip
+from tools.environments import socket_filter
 from tools.settings import MAX_READ_BYTES, CommandOptions, LocalOptions
 
 BWRAP_MISSING = "--sandbox=bwrap needs bubblewrap: apt-get install bubblewrap"
@@ -119,6 +121,8 @@ class LocalEnvironment(Backend):
             raise SandboxError("--sandbox=bwrap needs nsenter: apt-get install util-linux")
         if cfg.sandbox and shutil.which("setpriv") is None:
             raise SandboxError("--sandbox=bwrap needs setpriv: apt-get install util-linux")
+        if cfg.sandbox and not socket_filter.supported():
+            raise SandboxError(socket_filter.UNSUPPORTED)
         keep_processes_marked(self._marker_entry())
         try:
             if cfg.cwd and not cfg.sandbox:
@@ -219,6 +223,12 @@ class LocalEnvironment(Backend):
             enter += ["-U", "--preserve-credentials"]
         return [*enter, *self._drop_privileges()]
 
+    def _before_exec(self):
+        """What a sandboxed command's process does between fork and exec: refuse itself unix sockets
+        (no host socket is then reachable, wherever it lives). Without a sandbox: nothing, which
+        keeps Popen's faster vfork path."""
+        return _socket_filter().install if self._holder else None
+
     def _command_env(self) -> dict[str, str]:
         if self._holder:  # the sandbox gets a clean environment, nothing of the runner's
             env = _sandbox_env()
@@ -237,7 +247,7 @@ class LocalEnvironment(Backend):
         # means the same thing inside the sandbox as outside.
         script = f"cd {quote(where)} || exit 1\n{command}"
         proc = start_command(lambda: subprocess.Popen(
-            self._command_argv(script), cwd="/", env=self._command_env(),
+            self._command_argv(script), cwd="/", env=self._command_env(), preexec_fn=self._before_exec(),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, so a timeout can kill all of it
         ))  # fmt: skip
@@ -292,7 +302,7 @@ class LocalEnvironment(Backend):
         try:
             proc = subprocess.run(
                 [*self._enter_sandbox(), "sh", "-c", script, "sh", path, str(limit + 1)], input=data or b"",
-                capture_output=True,
+                capture_output=True, preexec_fn=self._before_exec(),
                 cwd="/", env=self._command_env(), timeout=self.config.command_timeout,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
@@ -349,6 +359,11 @@ class LocalEnvironment(Backend):
 _NOT_FOUND, _IS_DIR = 3, 4
 _READ_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIR}; [ -e "$1" ] || exit {_NOT_FOUND}; exec head -c "$2" -- "$1"'
 _WRITE_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIR}; mkdir -p -- "$(dirname -- "$1")" && exec cat > "$1"'
+
+
+@functools.cache
+def _socket_filter() -> socket_filter.SocketFilter:
+    return socket_filter.SocketFilter()
 
 
 def _sandbox_env() -> dict[str, str]:

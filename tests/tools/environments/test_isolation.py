@@ -158,8 +158,8 @@ def test_no_host_socket_is_reachable_from_the_sandbox(model_server, tmp_path):
     assert "/run/docker.sock" in sockets
     probe = ("import socket, sys\n"
              "for path in sys.argv[1:]:\n"
-             "    s = socket.socket(socket.AF_UNIX)\n"
              "    try:\n"
+             "        s = socket.socket(socket.AF_UNIX)\n"
              "        s.connect(path); print('CONNECTED', path)\n"
              "    except OSError as exc:\n"
              "        print('refused', path, exc.errno)\n")

@@ -4,6 +4,7 @@ detach from their session when their worker is killed."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
@@ -27,8 +28,8 @@ _CONNECT_PROBE = (
     "import glob, socket, sys\n"
     "paths = [p for pattern in sys.argv[1:] for p in (glob.glob(pattern) if '*' in pattern else [pattern])]\n"
     "for path in paths:\n"
-    "    s = socket.socket(socket.AF_UNIX)\n"
     "    try:\n"
+    "        s = socket.socket(socket.AF_UNIX)\n"
     "        s.connect(path.replace('@', '\\0', 1) if path.startswith('@') else path); print('CONNECTED', path)\n"
     "    except OSError as exc:\n"
     "        print('refused', path, exc.errno)\n"
@@ -194,3 +195,45 @@ def test_a_detached_process_dies_with_its_worker_under_bwrap(model_server, tmp_p
         proc.wait(30)
         for pid in _alive_with_argument(seconds):
             os.kill(pid, signal.SIGKILL)
+
+
+_IO_URING_PROBE = (
+    "import ctypes, errno\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "params = ctypes.create_string_buffer(120)\n"
+    "fd = libc.syscall(425, 4, params)\n"  # io_uring_setup: its operations would bypass a socket filter
+    "print('IO_URING', 'refused' if fd < 0 else 'OPENED', errno.errorcode.get(ctypes.get_errno(), ''))\n"
+)
+
+
+@needs_bwrap
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare not installed")
+def test_a_socket_bound_in_a_shown_folder_from_another_network_namespace_is_not_reachable(model_server, tmp_path):
+    # The kernel's list of this host's sockets (/proc/net/unix) does not show one bound by a process
+    # of another network namespace, so covering the sockets it lists cannot be the whole defence.
+    folder = next(f for f in ("/opt", "/etc") if os.path.isdir(f) and os.access(f, os.W_OK))
+    path = os.path.join(folder, f"abr-netns-{uuid.uuid4().hex[:8]}.sock")
+    bind = ("import os, socket, sys, time\n"
+            "s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); os.chmod(sys.argv[1], 0o777); s.listen()\n"
+            "print('ready', flush=True); time.sleep(600)\n")
+    unshare = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
+    holder = subprocess.Popen([*unshare, sys.executable, "-c", bind, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        with open("/proc/net/unix") as f:
+            assert path not in f.read()  # invisible to the host's list, as in the attack
+        probe = "python3 -c " + shlex.quote(_CONNECT_PROBE) + " " + shlex.quote(path)
+        uring = "python3 -c " + shlex.quote(_IO_URING_PROBE)
+        dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt": _prompt(probe, uring)}])
+        result = run_cli(_args(dataset, model_server), tmp_path)
+        assert result.returncode == 0, result.stdout + result.stderr
+        (row,) = read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")
+        connect, io_uring = (r["output"] for r in _tool_results(row))
+        assert f"refused {path} {errno.EACCES}" in connect, connect
+        assert "CONNECTED" not in connect
+        assert "IO_URING refused" in io_uring, io_uring
+    finally:
+        holder.kill()
+        holder.wait()
+        if os.path.exists(path):
+            os.unlink(path)
