@@ -435,14 +435,23 @@ def host_sockets_in(folders: tuple[str, ...]) -> list[str]:
 
 def clear_set_id_bits(top: str) -> None:
     """Remove the setuid and setgid bits of every file and folder under `top` (not following
-    symlinks): a setgid folder would hand its group to whatever is later made in it."""
-    for folder, dirs, files in os.walk(top):
+    symlinks): a setgid folder would hand its group to whatever is later made in it. A folder the
+    commands closed to its owner (mode 000, say) is opened to it first (u+rwx), or a runner that is
+    not root could not see what is inside."""
+    me = os.geteuid()
+    for folder, dirs, files in os.walk(top):  # top-down: a folder is opened before it is entered
         for name in dirs + files:
             path = os.path.join(folder, name)
             try:
-                mode = os.lstat(path).st_mode
-                if (stat.S_ISREG(mode) or stat.S_ISDIR(mode)) and mode & (stat.S_ISUID | stat.S_ISGID):
-                    os.chmod(path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
+                info = os.lstat(path)
+                mode = stat.S_IMODE(info.st_mode)
+                if stat.S_ISDIR(info.st_mode) and info.st_uid == me and mode & stat.S_IRWXU != stat.S_IRWXU:
+                    mode |= stat.S_IRWXU
+                elif not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+                    continue
+                cleared = mode & ~(stat.S_ISUID | stat.S_ISGID)
+                if cleared != stat.S_IMODE(info.st_mode):
+                    os.chmod(path, cleared)
             except OSError:
                 pass
 

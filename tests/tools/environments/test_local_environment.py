@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -252,3 +255,39 @@ def test_bwrap_sandbox_death_is_a_sandbox_error(make_env):
     env._holder.wait(timeout=5)
     with pytest.raises(SandboxError, match="died"):
         env.execute("true")
+
+
+def test_set_id_bits_are_cleared_inside_a_folder_closed_to_its_owner():
+    # What a sandboxed command of a runner that is not root leaves: a setuid file (its own uid) in
+    # a folder it made mode 000. The runner owns both, so it must still reach and clear the file.
+    from tools.environments.local import clear_set_id_bits
+
+    uid = 65534 if os.geteuid() == 0 else os.geteuid()
+    top = Path(tempfile.mkdtemp(prefix="abr-kept-")) / "kept"  # a parent the owner can traverse
+    top.parent.chmod(0o755)
+    closed = top / "closed" / "deeper"
+    closed.mkdir(parents=True)
+    planted = closed / "rootsh"
+    planted.write_bytes(b"#!/bin/sh\n")
+    planted.chmod(0o4755)
+    for path in (top, top / "closed", closed, planted):
+        os.chown(path, uid, uid) if os.geteuid() == 0 else None
+    closed.chmod(0o2000)
+    (top / "closed").chmod(0)
+    pid = os.fork()
+    if pid == 0:  # the runner, as the files' owner (not root, which any mode lets through)
+        try:
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            clear_set_id_bits(str(top))
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    (top / "closed").chmod(0o700)
+    try:
+        assert not os.stat(closed).st_mode & (stat.S_ISUID | stat.S_ISGID)
+        assert not os.stat(planted).st_mode & (stat.S_ISUID | stat.S_ISGID)
+    finally:
+        shutil.rmtree(top.parent)
