@@ -5,7 +5,8 @@ it was read, every other one with its `compression_metrics`, compressed only whe
 summary came back; a row whose summary failed is written as it was (never a placeholder) and
 counted. The rows that need a summary are sent `max_concurrent_requests` at a time; each finished
 one goes to the journal first, and the output file is written (atomically) once every row is
-decided, so an interrupted compression resumes where it stopped.
+decided; the journal is removed only once the metrics JSON of every file is written, so an
+interrupted compression resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class FileResult:
     usage: list[dict] = field(default_factory=list)  # every summary attempt's spend, earlier invocations' too
     stopped: str = ""  # "", interrupted or fatal: the output was not written, the journal is kept
     message: str = ""
+    journal: Journal | None = None  # of a file written whole: removed once the metrics JSON is written
 
 
 class Compressor:
@@ -217,7 +219,10 @@ class Compressor:
         for index in range(len(rows)):
             result.tally.add(decided[index][1])
         result.tally.usage = m.sum_usage(result.usage)
-        journal.remove()
+        # The journal outlives the output until the run's metrics JSON is written (run.py removes it):
+        # a kill in between, or while a later file of a directory is compressed, must not lose what
+        # this file's rows were summarised for.
+        result.journal = journal
         return result
 
     def _written_before(self, target: Path, fingerprint: dict, usage: list[dict]) -> dict[str, Entry]:

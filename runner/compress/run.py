@@ -46,6 +46,8 @@ def compress_files(compressor: Compressor, pairs: list[tuple[Path, Path]]) -> Ou
                                     duration=time.monotonic() - started, summarising=compressor.summarising_seconds)
     path = compressor.metrics_path
     atomic_write_bytes(path, (json.dumps(outcome.summary, indent=2) + "\n").encode("utf-8"))
+    for result in outcome.results:  # what --resume needs is now in the outputs and the metrics JSON
+        result.journal.remove()
     return outcome
 
 

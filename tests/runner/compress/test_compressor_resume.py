@@ -25,10 +25,10 @@ def slow_summaries(body, state):
     return Reply(body=chat_completion(body, "The agent worked through its tools."), latency=0.7)
 
 
-def start(work: Path, server: ModelServer, *extra: str) -> subprocess.Popen:
+def start(work: Path, server: ModelServer, *extra: str, source: str = "runs.jsonl") -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("OPENROUTER_API_KEY", "OPENAI_API_KEY")}
     env["PYTHONPATH"] = str(REPO)
-    args = ["--input=runs.jsonl", "--tokenizer=tok", "--target_max_tokens=500", "--summary_target_tokens=50",
+    args = [f"--input={source}", "--tokenizer=tok", "--target_max_tokens=500", "--summary_target_tokens=50",
             f"--base_url={server.base_url}", "--summary_model=s", f"--api_key={SECRET_KEY}",
             "--max_concurrent_requests=2", *extra]
     return subprocess.Popen([sys.executable, str(REPO / "trajectory_compressor.py"), *args], cwd=work, env=env,
@@ -115,3 +115,31 @@ def test_a_torn_last_journal_line_is_dropped_and_that_row_done_again(work):
         assert resumed.returncode == 0, err
         assert server.count() - before == ROWS - len(kept)
     assert [r["metadata"]["row_key"] for r in read_jsonl(work / "runs_compressed.jsonl")] == [f"r{i}" for i in range(ROWS)]
+
+
+def test_a_directory_killed_after_its_first_file_resumes_without_paying_for_that_file_again(tmp_path):
+    write_tokenizer(tmp_path / "tok")
+    (tmp_path / "in").mkdir()
+    write_jsonl(tmp_path / "in" / "a.jsonl", [trajectory(10, 50, f"a{i}") for i in range(3)])
+    write_jsonl(tmp_path / "in" / "b.jsonl", [trajectory(10, 50, f"b{i}") for i in range(ROWS)])
+    first_file = tmp_path / "in_compressed" / "a.jsonl"
+    with ModelServer(policy=slow_summaries) as server:
+        process = start(tmp_path, server, source="in")
+        deadline = time.monotonic() + 60
+        while not first_file.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert first_file.exists(), process.communicate(timeout=30)
+        process.kill()
+        process.wait(timeout=30)
+        first_requests = server.count()
+        resumed = start(tmp_path, server, "--resume", source="in")
+        _, err = resumed.communicate(timeout=120)
+        assert resumed.returncode == 0, err
+        asked_again = server.requests[first_requests:]
+    for request in asked_again:  # the first file's rows were all summarised before the kill
+        assert not any(f" a{i} " in request.body["messages"][1]["content"] for i in range(3))
+    metrics = json.loads((tmp_path / "in_compressed" / "compression_metrics.json").read_text())
+    assert metrics["files"][0]["rows_resumed"] == 3
+    assert metrics["summariser"]["requests"] == first_requests + len(asked_again)  # both invocations' spend
+    assert [r["metadata"]["row_key"] for r in read_jsonl(first_file)] == [f"a{i}" for i in range(3)]
+    assert not list((tmp_path / "in_compressed").glob("*.progress"))
