@@ -34,19 +34,30 @@ def input_pairs(input_path: str, output: str | None) -> list[tuple[Path, Path]]:
     """(input file, output file) for a file, or for each *.jsonl of a directory."""
     source = Path(input_path)
     if source.is_dir():
-        target = Path(output) if output else source.with_name(source.name + "_compressed")
+        target = Path(output) if output else _sibling(source, "_compressed")
         files = sorted(source.glob("*.jsonl"))
         if not files:
             raise InputError(f"--input={input_path}: the directory holds no *.jsonl file")
         if target.resolve() == source.resolve():
             raise InputError("--output must not be the input directory")
+        if target.exists() and not target.is_dir():
+            raise InputError(f"--output={output}: is a file; the output of a directory is a directory")
         return [(file, target / file.name) for file in files]
     if not source.is_file():
         raise InputError(f"--input={input_path}: no such file or directory")
     target = Path(output) if output else source.with_name(f"{source.stem}_compressed.jsonl")
     if target.exists() and target.resolve() == source.resolve():
         raise InputError("--output must not be the input file")
+    if target.is_dir():  # found now, not after every summary was paid for
+        raise InputError(f"--output={output}: is a directory; the output of a file is a file")
     return [(source, target)]
+
+
+def _sibling(folder: Path, suffix: str) -> Path:
+    """<folder><suffix> beside the folder; `.` and `..` are named by what they resolve to."""
+    if folder.name in ("", ".", ".."):
+        folder = folder.resolve()
+    return folder.with_name(folder.name + suffix)
 
 
 def read_rows(path: Path) -> tuple[list[InputRow], str]:

@@ -224,6 +224,34 @@ def test_bad_flags_are_named(work, args, expected):
     assert expected in result.stderr
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--input=runs.jsonl", "--output=."], "--output=.: is a directory; the output of a file is a file"),
+    (["--input=runs.jsonl", "--output=tok"], "--output=tok: is a directory; the output of a file is a file"),
+    (["--input=folder", "--output=runs.jsonl"], "--output=runs.jsonl: is a file; the output of a directory is a directory"),
+])
+def test_an_output_of_the_wrong_kind_is_refused_before_any_request(work, args, expected):
+    (work / "folder").mkdir()
+    write_jsonl(work / "folder" / "a.jsonl", [trajectory(10, 50, "a0")])
+    before = (work / "runs.jsonl").read_bytes()
+    with ModelServer(policy=summarised()) as server:
+        result = compress([*flags(server)[1:], *args], work)
+        assert server.requests == []
+    assert result.returncode == 1, described(result)
+    assert expected in result.stderr and result.stderr.count("\n") == 1, described(result)
+    assert (work / "runs.jsonl").read_bytes() == before
+    assert not list(work.rglob("*.progress"))
+
+
+def test_the_current_directory_as_input_is_compressed_into_its_sibling(work):
+    (work / "folder").mkdir()
+    write_jsonl(work / "folder" / "a.jsonl", [trajectory(10, 50, "a0"), {"prompt": "p"}])
+    with ModelServer(policy=summarised()) as server:
+        result = compress([*flags(server)[1:], "--input=.", "--tokenizer=../tok"], work / "folder")
+    assert result.returncode == 0, described(result)
+    rows = read_jsonl(work / "folder_compressed" / "a.jsonl")
+    assert rows[0]["compression_metrics"]["status"] == "compressed" and rows[1] == {"prompt": "p"}
+
+
 def test_a_remote_summariser_without_a_key_is_refused(work):
     result = compress(["--input=runs.jsonl", "--tokenizer=tok", "--base_url=https://example.invalid/v1"], work)
     assert result.returncode == 1 and "no API key for https://example.invalid/v1" in result.stderr
