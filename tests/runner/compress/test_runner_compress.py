@@ -79,3 +79,22 @@ def test_the_offline_model_summarises_an_offline_run(tmp_path):
     assert "compressed" in [r["compression_metrics"]["status"] for r in compressed]
     metrics = json.loads((run_dir / "trajectories_compressed.metrics.json").read_text())
     assert metrics["summariser"]["cost_known"] is True  # the offline model is free, not unpriced
+
+
+def test_a_resume_given_only_the_run_name_compresses_as_the_run_did(tmp_path, model_server, remote_args):
+    """The compression options are part of the recorded configuration: a resume without them keeps
+    trajectories_compressed.jsonl in step with trajectories.jsonl instead of leaving it stale."""
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT % i} for i in range(3)])
+    first = run(tmp_path, remote_args, "--max_samples=2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = run_cli(["--run_name=r", "--resume"], tmp_path, env={"OPENAI_API_KEY": SECRET_KEY})
+    assert again.returncode == 0, again.stdout + again.stderr
+    run_dir = tmp_path / "data" / "r"
+    compressed = read_jsonl(run_dir / "trajectories_compressed.jsonl")
+    assert [r["metadata"]["row_key"] for r in compressed] == \
+           [r["metadata"]["row_key"] for r in read_jsonl(run_dir / "trajectories.jsonl")]
+    assert len(compressed) == 3
+    assert len(summary_requests(model_server)) == 3  # the two rows summarised before are not asked for again
+    assert all(r["compression_metrics"]["target_max_tokens"] == 300 for r in compressed)
+    config = json.loads((run_dir / "config.json").read_text())["config"]
+    assert (config["compress_to_tokens"], config["summary_target_tokens"]) == (300, 30)
