@@ -298,6 +298,10 @@ class BatchRunner:
         config = self.config
         store.repair_torn_tails(self.log)
         store.load(self.log)
+        from runner.storage.journal import record_journaled_spend
+
+        # what the rows in flight spent when an earlier invocation's runner was killed
+        record_journaled_spend(self.run_dir, store, skip_run_id=config.tools.run_id, log=self.log)
         units = self._units(scan)[0]
         done = sum(1 for key in units if store.is_committed(key))
         remaining = len(units) - done
@@ -317,6 +321,7 @@ class BatchRunner:
             print("✅ All prompts have already been processed; rebuilding the merged outputs.")
         self._phase = "finishing"
         executor.shutdown()  # nothing is in flight now: the workers are not needed for the merge
+        record_journaled_spend(self.run_dir, store, log=self.log)  # this invocation's journals: retired
         store.close()
 
         print("\n📦 Combining all batch files into trajectories.jsonl...")

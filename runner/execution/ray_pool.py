@@ -102,8 +102,8 @@ class NodeWorker:
 
     # --- spend, reported to the driver request by request ------------------------------------
 
-    def _report_usage(self, key: str, stats) -> None:
-        usage = stats.report()  # read now: the session goes on counting
+    def _report_usage(self, task, stats) -> None:
+        key, usage = task.key, stats.report()  # read now: the session goes on counting
         if threading.get_ident() == self.loop_thread:
             self._note_usage(key, usage)
         else:

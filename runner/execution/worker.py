@@ -3,8 +3,9 @@
 A worker process runs an asyncio loop with many concurrent sessions: a session spends nearly all
 its time waiting for the model, so an extra session costs a coroutine and a little memory, not a
 process. Blocking work (subprocesses, the Docker SDK, file IO) runs in threads via
-`asyncio.to_thread`. Workers never touch the run directory: every outcome goes back to the parent
-as a record, and the parent commits it.
+`asyncio.to_thread`. Workers commit nothing: every outcome goes back to the parent as a record,
+and the parent commits it. The one file a worker writes in the run directory is its spend journal
+(runner/storage/journal.py), so the requests it sent are recorded even if the parent is killed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from agent.loop import LoopConfig, run_conversation
@@ -30,6 +32,7 @@ from runner.execution.group_signals import CANCEL_SIGNAL, shield
 from runner.input.config import RunConfig
 from runner.input.secrets import register_config
 from tools.environments.base import SandboxError, become_subreaper, kill_orphans
+from runner.storage.journal import SpendJournal
 from runner.storage.records import FailedRecord, Metadata, OkRecord, UsageRecord, as_dict, dropped_lines, note_lines
 from runner.execution.task import Task
 from runner.scoring.sample import Sample
@@ -67,8 +70,8 @@ class WorkerRuntime:
                 stop_after_unpriced=config.max_cost is not None and config.request_prices is None,
             )
         # Set by the worker process: each request's usage goes to the parent as it completes
-        # (report_usage(row key, CallStats)), and under a budget the parent admits each request.
-        self.report_usage: Callable[[str, CallStats], None] | None = None
+        # (report_usage(task, CallStats)), and under a budget the parent admits each request.
+        self.report_usage: Callable[[Task, CallStats], None] | None = None
         self.admit: Callable[[], Awaitable[bool]] | None = None
         self.scorers = [resolve(name) for name in config.scorer]
         self.judge_client = self._judge_client(sessions) if "judge" in config.scorer else None
@@ -91,7 +94,7 @@ class WorkerRuntime:
     def row_stats(self, task: Task) -> CallStats:
         """The usage counter of one row's session, reporting to the parent as requests complete."""
         report = self.report_usage
-        listener = None if report is None else (lambda stats: report(task.key, stats))
+        listener = None if report is None else (lambda stats: report(task, stats))
         return CallStats(prices=self.config.request_prices, listener=listener, admit=self.admit)
 
     async def close(self) -> None:
@@ -365,8 +368,13 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
     asks: dict[int, asyncio.Future] = {}  # requests waiting for the parent's word (the cost budget)
     ask_ids = itertools.count()
 
-    def report_usage(key: str, stats: CallStats) -> None:
-        outbox.put(("usage", (key, stats.report())))
+    # What this process's sessions spend, also kept where the parent's death cannot take it.
+    journal = SpendJournal(Path(config.output_dir).resolve() / config.run_name, config.tools.run_id, config.model)
+
+    def report_usage(task: Task, stats: CallStats) -> None:
+        usage = stats.report()
+        journal.note(task, usage)  # synchronously: a request is counted there before it is sent
+        outbox.put(("usage", (task.key, usage)))
 
     async def admit() -> bool:
         """Ask the parent, which knows every worker's spend, whether a request may be sent."""
@@ -444,6 +452,7 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
         except Exception as err:  # never leave the parent waiting for a row that has no answer
             record = failed_record(task, config, f"worker error: {type(err).__name__}: {err}", "agent")
         outbox.put(("result", record))
+        journal.finished(task.key)
 
     while True:
         task = await inbox.get()

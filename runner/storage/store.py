@@ -66,6 +66,7 @@ OWN_FILES = ("checkpoint.json", "statistics.json", "trajectories.jsonl", "config
              "status_history.jsonl", "rescores.jsonl")
 _OWN_FILE = re.compile(
     r"^(batch_\d+\.jsonl(\.torn)?"
+    r"|\.spend_[0-9a-zA-Z]+_\d+_\d+\.journal"  # the workers' spend journals (runner/storage/journal.py)
     r"|\.(checkpoint|statistics|trajectories|config|report|status)_[A-Za-z0-9_]+\.tmp)$"  # atomic-write temp files
 )
 

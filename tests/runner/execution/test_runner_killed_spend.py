@@ -1,0 +1,128 @@
+"""The requests of rows in flight when the runner itself is killed with SIGKILL are accounted.
+
+The parent is the only process that commits records, so when it dies (kill -9 of its PID alone, the
+OOM killer), the spend its workers reported for the rows still in flight dies with it. The workers
+journal every request they send in the run directory; the next invocation of the run (--resume or
+--report) records what no committed line covers, once, however often it is itself killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import REPO, write_jsonl
+
+COST = 0.01  # what each scripted reply says it cost
+
+
+def _rows(count: int) -> list[dict]:
+    tools = "".join(f'@tool terminal {{"command": "echo {n}"}}\n' for n in range(3))
+    return [{"prompt": f"@cost {COST}\n@latency 0.7\n{tools}Killed runner row {i}."} for i in range(count)]
+
+
+def _args(tmp_path: Path, server, *extra: str) -> list[str]:
+    return [sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={tmp_path / 'd.jsonl'}", "--run_name=r",
+            "--batch_size=4", "--distribution=terminal_only", "--max_turns=8", f"--base_url={server.base_url}",
+            "--model=m", "--api_key=x", *extra]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _start(tmp_path: Path, server, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(_args(tmp_path, server, "--num_workers=4", "--num_processes=2", *extra), cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
+
+
+def _wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def _run_processes(runner_pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(runner_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_runner_only(proc: subprocess.Popen, server, *, after_requests: int) -> None:
+    """SIGKILL the runner's own PID (not its group) once the endpoint received `after_requests`
+    requests, then wait until every process of the run is gone (the workers stop by themselves)."""
+    assert _wait_for(lambda: server.count() >= after_requests, 90), server.count()
+    children = _run_processes(proc.pid)
+    assert any("forkserver" in " ".join(c.cmdline()) for c in children)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, alive
+
+
+def _cli(tmp_path: Path, server, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_args(tmp_path, server, "--num_workers=4", *extra), cwd=tmp_path, capture_output=True,
+                          text=True, env=_env(), timeout=240)
+
+
+def _report(tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "batch_runner.py"), "--report", "--run_name=r"], cwd=tmp_path,
+                          capture_output=True, text=True, env=_env(), timeout=120)
+
+
+def _recorded_requests(tmp_path: Path) -> int:
+    stats = json.loads((tmp_path / "data" / "r" / "statistics.json").read_text())
+    return stats["spend"]["all"]["requests"]
+
+
+def _status_requests(tmp_path: Path) -> int:
+    return json.loads((tmp_path / "data" / "r" / "status.json").read_text())["spend"]["requests"]
+
+
+def test_a_resume_after_the_runner_was_killed_counts_the_requests_of_its_rows_in_flight(tmp_path, model_server):
+    write_jsonl(tmp_path / "d.jsonl", _rows(8))
+    proc = _start(tmp_path, model_server)
+    _kill_runner_only(proc, model_server, after_requests=10)
+    sent = model_server.count()
+    resumed = _cli(tmp_path, model_server, "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    received = model_server.count()
+    assert received > sent
+    assert _recorded_requests(tmp_path) == received  # before: the killed rows' requests were missing
+    assert _status_requests(tmp_path) == received
+    again = _cli(tmp_path, model_server, "--resume")  # nothing is counted twice by a later invocation
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _recorded_requests(tmp_path) == model_server.count() == received
+
+
+def test_a_report_after_the_runner_was_killed_counts_the_requests_of_its_rows_in_flight(tmp_path, model_server):
+    write_jsonl(tmp_path / "d.jsonl", _rows(8))
+    proc = _start(tmp_path, model_server)
+    _kill_runner_only(proc, model_server, after_requests=10)
+    for _ in range(2):  # a second report counts nothing twice
+        report = _report(tmp_path)
+        assert report.returncode == 0, report.stdout + report.stderr
+        assert _recorded_requests(tmp_path) == model_server.count()
+
+
+def test_a_resume_killed_in_turn_still_counts_every_request_once(tmp_path, model_server):
+    write_jsonl(tmp_path / "d.jsonl", _rows(12))
+    proc = _start(tmp_path, model_server)
+    _kill_runner_only(proc, model_server, after_requests=10)
+    resume = _start(tmp_path, model_server, "--resume")
+    _kill_runner_only(resume, model_server, after_requests=model_server.count() + 8)
+    resumed = _cli(tmp_path, model_server, "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _recorded_requests(tmp_path) == model_server.count()
+    assert not list((tmp_path / "data" / "r").glob(".spend_*")), "the journals are retired once recorded"
