@@ -180,19 +180,17 @@ def settled_journals(run_dir: Path, skip_run_id: str | None, log: Callable[[str]
     """The journals of invocations other than `skip_run_id` whose writers have all exited (one
     still alive after WAIT_FOR_WRITERS seconds is left for a later invocation, with a message)."""
     waited: set[Path] = set()
-    busy: set[str] = set()  # run id + pid of a writer still alive
+    busy: set[tuple] = set()  # (run id, pid) of a writer still alive
     while True:  # a writer that was still alive may have started another generation meanwhile
         found = [p for p in journals(run_dir) if _order(p)[0] != skip_run_id]
         fresh = [p for p in found if p not in waited]
         if not fresh:
-            return [p for p in found if "_".join(map(str, _order(p)[:2])) not in busy]
+            return [p for p in found if _order(p)[:2] not in busy]
         for path in fresh:
             waited.add(path)
-            if not _wait_unlocked(path, WAIT_FOR_WRITERS):
-                writer = "_".join(map(str, _order(path)[:2]))
-                if writer not in busy:
-                    log(f"⚠️  {path.name}: its worker process is still alive; its spend is recorded by a later invocation")
-                busy.add(writer)
+            if _order(path)[:2] not in busy and not _wait_unlocked(path, WAIT_FOR_WRITERS):
+                busy.add(_order(path)[:2])
+                log(f"⚠️  {path.name}: its worker process is still alive; its spend is recorded by a later invocation")
 
 
 def read_journals(paths: list[Path]) -> dict[tuple[str, str, int], JournaledAttempt]:

@@ -1,0 +1,83 @@
+"""The spend journal of a worker process: small on disk, read once, recorded once."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+from runner.storage import journal as journal_module
+from runner.storage.journal import SpendJournal, journals, read_journals, record_journaled_spend
+from runner.storage.store import RunStore, batch_files
+from tests.conftest import read_jsonl
+
+
+def _task(key: str, attempt: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(key=key, index=int(key[-1]), id="", attempt=attempt, seed=7, sample=0, samples=1,
+                           sample_seed=0, prompt=f"prompt of {key}")
+
+
+def _usage(requests: int, cost: float = 0.0, unpriced: int = 0) -> dict:
+    return {"requests": requests, "cost": cost, "unpriced_requests": unpriced, "by_model": [], "pending": 0}
+
+
+def test_a_new_generation_keeps_the_running_attempts_and_the_one_before_last_is_deleted(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal_module, "JOURNAL_ROTATE_BYTES", 200)
+    monkeypatch.setattr(journal_module, "JOURNAL_ROTATE_AGE", 0.0)
+    writer = SpendJournal(tmp_path, "run1", "m")
+    writer.note(_task("k0"), _usage(1))
+    writer.note(_task("k1"), _usage(1))
+    writer.finished("k1")
+    for n in range(2, 30):
+        writer.note(_task("k0"), _usage(n))
+    assert writer.generation >= 3 and len(journals(tmp_path)) == 2  # never more than two files
+    attempts = read_journals(journals(tmp_path))
+    assert attempts[("run1", "k0", 1)].usage["requests"] == 29  # the running attempt survives every rotation
+    assert ("run1", "k1", 1) not in attempts  # finished generations ago: its result was committed long since
+
+
+def test_journaled_spend_is_recorded_once_even_if_the_journal_survives(tmp_path):
+    writer = SpendJournal(tmp_path, "run1", "m")
+    writer.note(_task("k0"), _usage(2, cost=0.02))
+    writer.note(_task("k1"), _usage(1, unpriced=1))
+    writer.note(_task("k2"), _usage(0))  # a request counted, then never sent: nothing to record
+    writer.note(_task("k3", attempt=2), _usage(3, cost=0.03))
+    for _, fd in writer.files:  # the worker exits
+        journal_module.os.close(fd)
+    (copy,) = [shutil.copy(p, tmp_path / "saved") for p in journals(tmp_path)]
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load(print)
+    # k3's attempt 2 was committed by the parent before it died: covered
+    store.commit([_failed("k3", attempt=2, run_id="run1", requests=3)])
+    assert record_journaled_spend(tmp_path, store, log=print) == 2
+    assert journals(tmp_path) == []
+    shutil.copy(copy, tmp_path / ".spend_run1_1_0.journal")  # as if a kill came before the journal was deleted
+    assert record_journaled_spend(tmp_path, store, log=print) == 0
+    lines = [line for path in batch_files(tmp_path) for line in read_jsonl(path)]
+    recovered = {line["metadata"]["row_key"]: line for line in lines if "journal" in line["error"]}
+    assert set(recovered) == {"k0", "k1"}
+    assert recovered["k0"]["metadata"]["usage"]["requests"] == 2 and recovered["k0"]["error_class"] == "interrupted"
+    assert recovered["k1"]["metadata"]["usage"]["unpriced_requests"] == 1
+    assert recovered["k0"]["metadata"]["run_id"] == "run1" and recovered["k0"]["prompt"] == "prompt of k0"
+
+
+def _failed(key: str, *, attempt: int, run_id: str, requests: int) -> dict:
+    from runner.storage.records import FailedRecord, Metadata, UsageRecord, as_dict
+
+    metadata = Metadata(timestamp="2026-01-01T00:00:00+00:00", model="m", row_key=key, run_id=run_id, attempt=attempt,
+                        duration_seconds=0.0, seed=7, usage=UsageRecord(requests=requests))
+    return as_dict(FailedRecord(prompt_index=3, failed=True, error="worker process died", error_class="agent",
+                                prompt="", metadata=metadata))
+
+
+def test_a_journal_of_a_live_worker_is_left_for_later(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal_module, "WAIT_FOR_WRITERS", 0.2)
+    writer = SpendJournal(tmp_path, "run1", "m")  # its lock is held: "alive"
+    writer.note(_task("k0"), _usage(1))
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load(print)
+    said = []
+    assert record_journaled_spend(tmp_path, store, log=said.append) == 0
+    assert len(journals(tmp_path)) == 1 and "still alive" in said[0]
+    assert record_journaled_spend(tmp_path, store, skip_run_id="run1", log=said.append) == 0  # its own run's: not read
+    assert Path(journals(tmp_path)[0]).exists()
