@@ -113,7 +113,10 @@ def _run(flags: dict, config_file: str | None, api_key: str | None) -> int:
             compressor.check_file(source, target)
     except (InputError, JournalError) as err:
         raise UsageError(str(err)) from None
-    return _compress(compressor, pairs, options)
+    try:
+        return _compress(compressor, pairs, options)
+    except JournalError as err:  # another compression took the output after the check
+        raise UsageError(str(err)) from None
 
 
 def _api_key(flag) -> str | None:

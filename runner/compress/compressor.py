@@ -211,10 +211,11 @@ class Compressor:
                 bar.update(1)
 
             asyncio.run(self._summarise_all(pending, journal, on_done))
-        journal.close()
         if self.stopping:
+            journal.close()
             result.stopped, result.message = self.stopping, self.fatal_message
             return result
+        journal.sync()  # kept open (and locked) until run.py removes it
         _write_atomically(target, (decided[index][0] for index in range(len(rows))))
         for index in range(len(rows)):
             result.tally.add(decided[index][1])

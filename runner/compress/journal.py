@@ -9,11 +9,14 @@ journal is closed), so a crash of the machine itself loses at most that last sec
 a summary request waits for no disk. A torn last line (killed mid-write) is dropped when the
 journal is read.
 `--resume` keeps the compressed rows (never asked for again) and retries the failed ones; the
-journal is removed once the output is written whole.
+journal is removed once the output is written whole. The compression writing it holds a lock on it
+(flock, released by the kernel however the process ends), so a second compression of the same output
+started meanwhile is refused instead of paying again for the rows the first one is summarising.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 from dataclasses import dataclass, field
@@ -57,6 +60,8 @@ class Journal:
         path = cls.path_for(output)
         if path.exists():
             journal = cls(path)
+            with open(path, "rb") as handle:
+                _lock(handle, path)  # released when the handle is closed
             journal._refuse_unless(resume)
             journal._read(fingerprint, repair=False)
 
@@ -72,16 +77,21 @@ class Journal:
         """The journal of `output`, started afresh or (resume) read back and checked."""
         path = cls.path_for(output)
         journal = cls(path)
-        if path.exists():
-            journal._refuse_unless(resume)
-            journal._read(fingerprint)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "wb", opener=private_opener) as handle:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "ab", opener=private_opener)  # created empty when new; held, locked, until closed
+        try:
+            _lock(handle, path)
+            if path.stat().st_size:
+                journal._refuse_unless(resume)
+                journal._read(fingerprint)
+            else:
                 handle.write(orjson.dumps({"fingerprint": fingerprint}) + b"\n")
                 handle.flush()
                 os.fsync(handle.fileno())
-        journal._handle = open(path, "ab")
+        except BaseException:
+            handle.close()
+            raise
+        journal._handle = handle
         return journal
 
     def _read(self, fingerprint: dict, repair: bool = True) -> None:
@@ -109,6 +119,11 @@ class Journal:
             with open(self.path, "r+b") as handle:  # appending after a torn line would glue two lines
                 handle.truncate(good)
 
+    def sync(self) -> None:
+        """Everything added is on disk; the journal stays open, and locked."""
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
     def add(self, entry: Entry) -> None:
         line = orjson.dumps({"key": entry.key, "status": entry.status, "usage": entry.usage,
                              "row": orjson.Fragment(entry.row)})
@@ -127,5 +142,13 @@ class Journal:
             self._handle = None
 
     def remove(self) -> None:
+        self.path.unlink(missing_ok=True)  # while still locked: no other compression reads it meanwhile
         self.close()
-        self.path.unlink(missing_ok=True)
+
+
+def _lock(handle, path: Path) -> None:
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise JournalError(f"another compression is writing this output ({path} is held): wait until it "
+                           "ends") from None

@@ -39,6 +39,9 @@ def compress_files(compressor: Compressor, pairs: list[tuple[Path, Path]]) -> Ou
         bar.close()
     outcome.usage = m.sum_usage([u for result in outcome.results for u in result.usage])
     if outcome.stopped:
+        for result in outcome.results:  # the files written whole keep their journal for --resume
+            if result.journal is not None:
+                result.journal.close()
         return outcome
     counter = compressor.counter
     outcome.summary = m.run_metrics([r.tally for r in outcome.results], outcome.usage, tokenizer=counter.name,

@@ -143,3 +143,27 @@ def test_a_directory_killed_after_its_first_file_resumes_without_paying_for_that
     assert metrics["summariser"]["requests"] == first_requests + len(asked_again)  # both invocations' spend
     assert [r["metadata"]["row_key"] for r in read_jsonl(first_file)] == [f"a{i}" for i in range(3)]
     assert not list((tmp_path / "in_compressed").glob("*.progress"))
+
+
+@pytest.mark.parametrize("again", [(), ("--resume",)])
+def test_a_second_compression_of_the_same_output_is_refused_while_the_first_runs(work, again):
+    def slower(body, state):  # the first one outlives the second's start-up, even under load
+        return Reply(body=chat_completion(body, "The agent worked through its tools."), latency=3)
+
+    with ModelServer(policy=slower) as server:
+        process = start(work, server)
+        deadline = time.monotonic() + 60
+        while len(journal_rows(work)) < 1 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert len(journal_rows(work)) >= 1, process.communicate(timeout=30)
+        asked = server.count()
+        second = start(work, server, *again)
+        _, refusal = second.communicate(timeout=60)
+        assert process.poll() is None, "the first compression ended before the second was refused"
+        assert second.returncode == 1, refusal
+        assert "another compression is writing" in refusal and "--resume" not in refusal, refusal
+        assert server.count() - asked <= 2  # only the first one's requests in flight (2 at a time)
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err
+        assert server.count() == ROWS  # each row asked for once
+    assert [r["metadata"]["row_key"] for r in read_jsonl(work / "runs_compressed.jsonl")] == [f"r{i}" for i in range(ROWS)]
