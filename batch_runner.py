@@ -321,7 +321,7 @@ class BatchRunner:
             print("✅ All prompts have already been processed; rebuilding the merged outputs.")
         self._phase = "finishing"
         executor.shutdown()  # nothing is in flight now: the workers are not needed for the merge
-        record_journaled_spend(self.run_dir, store, log=self.log)  # this invocation's journals: retired
+        record_journaled_spend(self.run_dir, store, own_run_id=config.tools.run_id, log=self.log)  # retired
         store.close()
 
         print("\n📦 Combining all batch files into trajectories.jsonl...")

@@ -18,7 +18,9 @@ Files: `.spend_<run id>_<pid>_<generation>.journal`, readable by the owner only.
 
 An attempt is covered when a committed line names the same row key, run id and attempt: the
 parent committed its result, or the failed record of its dead worker or of an interrupt. The
-journal is a safety net for the parent's death only; the parent's records stay the truth.
+journal is a safety net for the parent's death only; the parent's records stay the truth. To find
+those lines, the batch files modified since the journals began are read (after a kill only: an
+invocation that ends normally checks its own journals against the store's view).
 
 Size: a worker starts a new generation once its file holds JOURNAL_ROTATE_BYTES and is
 JOURNAL_ROTATE_AGE seconds old, writing there the latest lines of the attempts it still runs, and
@@ -259,25 +261,40 @@ def _number(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else -1
 
 
-def record_journaled_spend(run_dir: Path, store, *, skip_run_id: str | None = None, log=print) -> int:
+def record_journaled_spend(run_dir: Path, store, *, skip_run_id: str | None = None, own_run_id: str | None = None,
+                           log=print) -> int:
     """Commit, through `store` (loaded, under the run lock), a failed record of class
     `interrupted` for each journaled attempt that spent something and that no committed line
     covers, then delete the journals read. Returns the records committed. Idempotent: a run killed
-    halfway through finds its own records next time, and commits nothing twice."""
+    halfway through finds its own records next time, and commits nothing twice.
+
+    `skip_run_id`: an invocation whose journals are left alone (the one now starting). The
+    journals of `own_run_id` (the invocation now ending, its workers stopped) are checked against
+    the store's view instead of the files: that invocation ran each row once, and the store has
+    seen every line it committed."""
     paths = settled_journals(run_dir, skip_run_id, log)
     if not paths:
         return 0
     attempts = read_journals(paths)
-    covered = covered_attempts(run_dir, {run_id for run_id, _, _ in attempts}, first_times(paths)) if attempts else set()
+    others = {run_id for run_id, _, _ in attempts if run_id != own_run_id}
+    found = covered_attempts(run_dir, others, first_times([p for p in paths if _order(p)[0] != own_run_id])) \
+        if others else set()
+
+    def covered(run_id: str, key: str, attempt: int) -> bool:
+        if run_id != own_run_id:
+            return (run_id, key, attempt) in found
+        entry = store.view.entry(key)
+        return entry is not None and (entry.committed or entry.failures >= attempt)
+
     records = [_record(attempt) for key, attempt in sorted(attempts.items())
-               if key not in covered and attempt.usage.get("requests")]
+               if attempt.usage.get("requests") and not covered(*key)]
     store.commit(records)
     for path in paths:
         path.unlink(missing_ok=True)
     if records:
         requests = sum(int(r["metadata"]["usage"]["requests"]) for r in records)
-        log(f"🧾 Recorded the spend of {len(records)} row(s) in flight when the runner was killed "
-            f"({requests} request(s), from the workers' journals)")
+        log(f"🧾 Recorded from the workers' journals what {len(records)} row(s) in flight had spent that no "
+            f"committed line held ({requests} request(s))")
     return len(records)
 
 

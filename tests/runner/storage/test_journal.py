@@ -81,3 +81,17 @@ def test_a_journal_of_a_live_worker_is_left_for_later(tmp_path, monkeypatch):
     assert len(journals(tmp_path)) == 1 and "still alive" in said[0]
     assert record_journaled_spend(tmp_path, store, skip_run_id="run1", log=said.append) == 0  # its own run's: not read
     assert Path(journals(tmp_path)[0]).exists()
+
+
+def test_the_journals_of_the_invocation_now_ending_are_checked_against_what_it_committed(tmp_path):
+    writer = SpendJournal(tmp_path, "run1", "m")
+    writer.note(_task("k0"), _usage(2))  # committed by the parent (its worker died)
+    writer.note(_task("k1"), _usage(1))  # given up in flight before the parent heard of its request
+    for _, fd in writer.files:
+        journal_module.os.close(fd)
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load(print)
+    store.commit([_failed("k0", attempt=1, run_id="run1", requests=2)])
+    assert record_journaled_spend(tmp_path, store, own_run_id="run1", log=print) == 1
+    lines = [line for path in batch_files(tmp_path) for line in read_jsonl(path)]
+    assert sorted(line["metadata"]["row_key"] for line in lines) == ["k0", "k1"] and journals(tmp_path) == []
