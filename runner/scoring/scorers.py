@@ -21,6 +21,7 @@ import inspect
 import math
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -190,17 +191,56 @@ def calls_exec(function: Callable) -> bool:
     return code is None or "exec" in code.co_names
 
 
+class ScorerRaised(Exception):
+    """A Python scorer ended with an exception that would end the worker (SystemExit,
+    KeyboardInterrupt, ...): its entry names it, and the sample is kept."""
+
+
 def _python_scorer(function: Callable) -> Callable[[Sample, ScoringContext], Awaitable[Score]]:
     async def score(sample: Sample, context: ScoringContext) -> Score:
-        if inspect.iscoroutinefunction(function):
-            value = await function(sample)
-        else:  # off the event loop: a slow scorer must not stall the other sessions
-            value = await asyncio.to_thread(function, sample)
-            if inspect.isawaitable(value):
-                value = await value
+        try:
+            if inspect.iscoroutinefunction(function):
+                value = await function(sample)
+            else:  # off the event loop: a slow scorer must not stall the other sessions
+                value = await in_own_thread(function, sample)
+                if inspect.isawaitable(value):
+                    value = await value
+        except (Exception, asyncio.CancelledError):
+            raise
+        except BaseException as err:
+            raise ScorerRaised(f"{type(err).__name__}{f': {err}' if str(err) else ''}") from None
         return as_score(value)
 
     return score
+
+
+def in_own_thread(function: Callable, *args: Any) -> Awaitable[Any]:
+    """`function(*args)` in a daemon thread of its own. A scorer that never returns keeps only its
+    thread: the event loop's shared threads (the sessions' commands and clean-ups) stay free, and
+    the worker can still exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # the scorer's time ran out
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = function(*args), None
+        except BaseException as err:  # handed to the awaiting scorer, never left to end the thread noisily
+            result, error = None, err
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed while the scorer ran
+            pass
+
+    threading.Thread(target=run, name="python-scorer", daemon=True).start()
+    return future
 
 
 def as_score(value: Any) -> Score:
@@ -218,6 +258,8 @@ def as_score(value: Any) -> Score:
 
 
 def error_entry(name: str, err: BaseException) -> dict:
+    if isinstance(err, ScorerRaised):
+        return {"scorer": name, "value": 0.0, "passed": False, "explanation": f"{ERROR_PREFIX}{err}"}
     message = str(err).strip() or type(err).__name__
     kind = "timed out" if isinstance(err, (TimeoutError, asyncio.TimeoutError)) else type(err).__name__
     return {"scorer": name, "value": 0.0, "passed": False, "explanation": f"{ERROR_PREFIX}{kind}: {message}"}

@@ -166,3 +166,38 @@ def test_a_scorer_that_runs_out_of_time_keeps_the_sample(tmp_path, model_server,
     assert slow["explanation"] == "scorer error: timed out: the scorer took longer than 6s"
     assert includes["passed"]
     assert kept[0]["metadata"]["duration_seconds"] < 30
+
+
+def test_sync_scorers_that_never_return_do_not_stall_the_run(tmp_path, model_server, remote_args):
+    # More hung scorers than a worker has threads for its sessions' commands and clean-ups.
+    (tmp_path / "stuck.py").write_text("import time\ndef stuck(sample):\n    time.sleep(3600)\n")
+    rows = [{"prompt": f"@tool terminal {{\"command\": \"echo {i}\"}}\n@answer done {i}\nQ{i}", "target": f"done {i}"}
+            for i in range(12)]
+    proc = _run(tmp_path, rows, remote_args, "--scorer=includes,stuck.py:stuck", "--verify_timeout=1",
+                "--num_workers=2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = _kept(tmp_path)
+    assert len(kept) == 12
+    for line in kept:
+        includes, stuck = line["metadata"]["scores"]
+        assert includes["passed"] and not stuck["passed"]
+        assert stuck["explanation"].startswith("scorer error: timed out")
+
+
+@pytest.mark.parametrize("raised", ["SystemExit(3)", "KeyboardInterrupt()"])
+def test_a_scorer_that_raises_an_exit_keeps_the_sample(tmp_path, model_server, remote_args, raised):
+    (tmp_path / "quits.py").write_text(f"def quits(sample):\n    raise {raised}\n"
+                                       f"async def aquits(sample):\n    raise {raised}\n")
+    rows = [{"prompt": f"@answer yes {i}\nQ{i}?", "target": "yes"} for i in range(3)]
+    proc = _run(tmp_path, rows, remote_args, "--scorer=includes,quits.py:quits,quits.py:aquits")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = _kept(tmp_path)
+    assert len(kept) == 3
+    for line in kept:
+        includes, quits, aquits = line["metadata"]["scores"]
+        _assert_entry_types([includes, quits, aquits])
+        assert includes["passed"]
+        name = raised.split("(")[0]
+        for entry in (quits, aquits):
+            assert (entry["value"], entry["passed"]) == (0.0, False)
+            assert entry["explanation"].startswith(f"scorer error: {name}"), entry
