@@ -268,7 +268,7 @@ case); any other value is refused (exit 1, naming the flag), so `--overwrite=no`
 *Fingerprint*: changing the flag changes what a row contains, so `--resume` refuses the change
 (naming the old and the new value) unless `--allow_config_change` is given. A fingerprinted flag
 left out on `--resume` keeps the value config.json records, as do `--dataset_file`,
-`--batch_size` and `--samples_per_prompt`: `--run_name=NAME --resume` is enough (the API key still comes from the environment
+`--batch_size`, `--samples_per_prompt`, `--stop_after_passing` and `--keep`: `--run_name=NAME --resume` is enough (the API key still comes from the environment
 or `--api_key`: it is never recorded). The other flags are each invocation's own.
 """
 

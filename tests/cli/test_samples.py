@@ -219,3 +219,28 @@ def test_stop_after_passing_starts_no_more_samples_of_a_row_that_passed(tmp_path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert model_server.count() == before + 1  # only the impossible row's new sample 5
     assert _stats(tmp_path)["outcomes"]["spared"] == 5 + 3
+
+
+def test_a_plain_resume_keeps_the_runs_early_stop_and_selection(tmp_path, model_server, remote_args):
+    # A run stopped part way is resumed with --resume alone: its --stop_after_passing still spares
+    # what it spared (those samples are not paid for), and its --keep still selects.
+    rows = [{"prompt": "@answers right\nEasy.", "target": "right"},
+            {"prompt": "@answers wrong\nImpossible.", "target": "right"}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    flags = ["--samples_per_prompt=3", "--scorer=includes", "--stop_after_passing=1", "--keep=passing",
+             "--num_workers=1"]
+    proc = _run(tmp_path, dataset, remote_args, *flags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    before = model_server.count()
+    run = ["--run_name=r", "--resume", *remote_args]
+    proc = run_cli(run, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert model_server.count() == before  # the easy row's spared samples stay unpaid
+    assert _stats(tmp_path)["outcomes"]["spared"] == 2
+    kept = read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")
+    assert [line["metadata"]["scores"][0]["passed"] for line in kept] == [True]
+    # Given again with another value, the flags are this invocation's.
+    proc = run_cli([*run, "--keep=all", "--stop_after_passing=3"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert model_server.count() == before + 2  # the easy row's samples 1 and 2
+    assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == 6
