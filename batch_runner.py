@@ -334,7 +334,10 @@ class BatchRunner:
                          not_run=outcomes["not_run"])
         closing.publish(self.run_dir, config, view, stats, outcome, monitor)
         code = outcome.exit_code
-        if config.compress_to_tokens and not self.stopping:
+        if config.compress_to_tokens and outcome.kind == "budget":  # summaries would spend past it
+            print("\n🗜️  Not compressed: the run stopped at its cost budget; --resume with a higher --max_cost "
+                  "compresses once the rows are done.")
+        elif config.compress_to_tokens and not self.stopping:
             code = compress_after_run(self.run_dir, config, code)
         return code
 

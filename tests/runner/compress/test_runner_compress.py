@@ -98,3 +98,16 @@ def test_a_resume_given_only_the_run_name_compresses_as_the_run_did(tmp_path, mo
     assert all(r["compression_metrics"]["target_max_tokens"] == 300 for r in compressed)
     config = json.loads((run_dir / "config.json").read_text())["config"]
     assert (config["compress_to_tokens"], config["summary_target_tokens"]) == (300, 30)
+
+
+def test_a_run_stopped_at_its_cost_budget_spends_nothing_more_on_summaries(tmp_path, model_server, remote_args):
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT % i} for i in range(8)])
+    stopped = run(tmp_path, remote_args, "--max_cost=0.0008", "--num_workers=1")
+    assert stopped.returncode == 4, stopped.stdout + stopped.stderr
+    assert summary_requests(model_server) == []
+    run_dir = tmp_path / "data" / "r"
+    assert not (run_dir / "trajectories_compressed.jsonl").exists()
+    assert "Not compressed: the run stopped at its cost budget" in stopped.stdout, stopped.stdout
+    finished = run(tmp_path, remote_args, "--resume", "--max_cost=1")
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert len(read_jsonl(run_dir / "trajectories_compressed.jsonl")) == len(read_jsonl(run_dir / "trajectories.jsonl"))
