@@ -46,7 +46,10 @@ _NOT_IN_FILE = ("api_key", "config", "resume", "dry_run")
 
 
 def read_config_file(path: str) -> dict:
-    import yaml
+    try:
+        import yaml
+    except ImportError:
+        raise OptionsError(f"--config={path} needs PyYAML: pip install -e '.[compress]'") from None
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))

@@ -4,12 +4,13 @@ real Hugging Face fast tokenizer written to a temporary directory (nothing fetch
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import SECRET_KEY, read_jsonl, run_cli, write_jsonl
+from tests.conftest import REPO, SECRET_KEY, read_jsonl, run_cli, write_jsonl
 from tests.helpers.compress_fixtures import trajectory, write_tokenizer
 from tests.helpers.model_server import ModelServer, Reply, chat_completion, error_reply
 
@@ -250,6 +251,23 @@ def test_the_current_directory_as_input_is_compressed_into_its_sibling(work):
     assert result.returncode == 0, described(result)
     rows = read_jsonl(work / "folder_compressed" / "a.jsonl")
     assert rows[0]["compression_metrics"]["status"] == "compressed" and rows[1] == {"prompt": "p"}
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config=options.yaml"], "--config=options.yaml needs PyYAML: pip install -e '.[compress]'"),
+    (["--tokenizer=tok"], "--tokenizer=tok needs the tokenizers package: pip install -e '.[compress]'"),
+])
+def test_without_the_compress_extra_the_missing_package_is_named(work, args, expected):
+    """Installed without the `compress` extra (its packages hidden from this process)."""
+    hidden = work / "hidden"
+    for package in ("yaml", "tokenizers"):
+        (hidden / package).mkdir(parents=True)
+        (hidden / package / "__init__.py").write_text(f"raise ImportError('No module named {package}')\n")
+    (work / "options.yaml").write_text("seed: 3\n")
+    result = compress(["--input=runs.jsonl", "--dry_run", *args], work,
+                      env={"PYTHONPATH": f"{hidden}{os.pathsep}{REPO}"})
+    assert result.returncode == 1, described(result)
+    assert expected in result.stderr and result.stderr.count("\n") == 1, described(result)
 
 
 def test_a_remote_summariser_without_a_key_is_refused(work):
