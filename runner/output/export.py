@@ -29,6 +29,7 @@ from typing import Any, Iterable, Iterator
 from runner.storage import runfiles
 from runner.storage.atomic import atomic_write_bytes
 from runner.storage.records import OkRecord, RecordError, validate_record
+from runner.storage.scores import is_scorer_error
 
 FORMATS = ("messages", "dpo")
 EXPORT_DIR = "export"
@@ -69,6 +70,7 @@ class Sample:
     passed: bool
     scorer: str
     scored: bool  # a scorer ran on it (metadata.scores)
+    score_failed: bool  # its primary scorer failed (raised, timed out, gave no grade): its score says nothing
     messages: list[dict]
     tools: str  # the offered functions' schemas, as a JSON string
     metadata: dict
@@ -163,6 +165,7 @@ def to_sample(record: OkRecord) -> Sample:
         passed=bool(primary.passed) if primary else False,
         scorer=primary.scorer if primary else "",
         scored=primary is not None,
+        score_failed=primary is not None and is_scorer_error(primary.model_dump()),
         messages=to_messages([t for t in turns if t["from"] != "system"]),
         tools=json.dumps(offered_tools(system), ensure_ascii=False),
         metadata={"prompt_index": record.prompt_index, "model": meta.model, "completed": record.completed,
@@ -186,10 +189,11 @@ def _prompt_length(messages: list[dict]) -> int:
 def dpo_lines(samples: Iterable[Sample]) -> Iterator[dict]:
     """For each row with two or more scored samples whose primary scores differ: the best sample
     (the first of the best, by sample index) against the worst, in TRL's conversational
-    preference format (prompt, chosen, rejected)."""
+    preference format (prompt, chosen, rejected). A sample whose primary scorer failed is in no
+    pair: its 0.0 says nothing about its answer."""
     by_row: dict[int, list[Sample]] = {}
     for sample in samples:
-        if sample.scored:
+        if sample.scored and not sample.score_failed:
             by_row.setdefault(sample.prompt_index, []).append(sample)
     for index in sorted(by_row):
         group = sorted(by_row[index], key=lambda s: s.sample)

@@ -203,7 +203,7 @@ def _sample(index: int, sample: int, score: float, answer: str, scored: bool = T
     messages = [{"role": "user", "content": f"Question {index}?"},
                 {"role": "assistant", "content": answer, "reasoning_content": ""}]
     return Sample(prompt_index=index, id=f"q{index}", sample=sample, score=score, passed=score >= 1.0,
-                  scorer="exact" if scored else "", scored=scored, messages=messages, tools="[]", metadata={})
+                  scorer="exact" if scored else "", scored=scored, score_failed=False, messages=messages, tools="[]", metadata={})
 
 
 def test_dpo_pairs_the_best_and_the_worst_sample_of_each_prompt():
@@ -232,3 +232,55 @@ def test_dpo_pairs_come_from_every_scored_sample_whatever_keep_selected(tmp_path
     assert len(pairs) == 1, proc.stdout
     assert "right" in pairs[0]["chosen"][-1]["content"] and "wrong" in pairs[0]["rejected"][-1]["content"]
     assert (pairs[0]["score_chosen"], pairs[0]["score_rejected"]) == (1.0, 0.0)
+
+
+def _documented_dpo_features():
+    """The `features` docs/exports.md gives for loading dpo files together (its python block)."""
+    from tests.conftest import REPO
+
+    page = (REPO / "docs" / "exports.md").read_text(encoding="utf-8")
+    code = page.split("## `dpo`", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(code, namespace)
+    return namespace["DPO_FEATURES"]
+
+
+def test_dpo_exports_of_two_runs_load_together_in_datasets_in_both_orders(tmp_path, model_server, remote_args):
+    plain = [{"prompt": "@answers right|wrong\nPlain question.", "id": "p1", "target": "right"}]
+    tools = [{"prompt": '@tool terminal {"command": "echo hi"}\n@answers right|wrong\nWith a tool.', "id": "q1",
+              "target": "right"}]
+    for name, rows in (("p", plain), ("q", tools)):
+        proc = _run(tmp_path, name, rows, remote_args, "--distribution=terminal_only", "--samples_per_prompt=2",
+                    "--scorer=includes", "--export=dpo")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = [str(tmp_path / "data" / name / "export" / "dpo.jsonl") for name in ("p", "q")]
+    pairs = [read_jsonl(path)[0] for path in files]
+    assert [m["role"] for m in pairs[0]["chosen"]] == ["assistant"]
+    assert "tool" in [m["role"] for m in pairs[1]["chosen"]]
+    datasets = pytest.importorskip("datasets")
+    features = _documented_dpo_features()
+    for order in (files, files[::-1]):
+        loaded = datasets.load_dataset("json", data_files=order, split="train", features=features,
+                                       cache_dir=str(tmp_path / "hf"))
+        by_id = {row["id"]: row for row in loaded}
+        assert set(by_id) == {"p1", "q1"}
+        for row, pair in zip((by_id["p1"], by_id["q1"]), pairs):
+            assert (row["prompt"], row["chosen"], row["rejected"]) == (pair["prompt"], pair["chosen"], pair["rejected"])
+            assert (row["score_chosen"], row["score_rejected"]) == (1.0, 0.0)
+
+
+def test_a_sample_whose_primary_scorer_failed_is_never_paired(tmp_path, model_server, remote_args):
+    # A scorer error says nothing about the answer: it is no rejected (or chosen) sample.
+    (tmp_path / "picky.py").write_text(
+        "def picky(sample):\n"
+        "    if 'broken' in sample.final_answer:\n"
+        "        raise RuntimeError('the grader is down')\n"
+        "    return 'right' in sample.final_answer\n")
+    rows = [{"prompt": "@answers right|broken\nOne.", "id": "a"},
+            {"prompt": "@answers right|broken|wrong\nTwo.", "id": "b"}]
+    proc = _run(tmp_path, "e", rows, remote_args, "--distribution=terminal_only", "--samples_per_prompt=3",
+                "--scorer=picky.py:picky", "--export=dpo", "--num_workers=1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pairs = read_jsonl(tmp_path / "data" / "e" / "export" / "dpo.jsonl")
+    assert [(p["id"], p["chosen"][-1]["content"], p["rejected"][-1]["content"]) for p in pairs] == [
+        ("b", "right", "wrong")]
