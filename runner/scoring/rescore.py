@@ -78,15 +78,16 @@ def rescore_run(run_dir: Path, options: Any, *, make_judge: Callable[[], Any] | 
             handle.seek(entry.offset)
             fields = read_line(handle.read(entry.length))
             if fields is not None:
-                samples.append((rows[row_key_of(key)], fields))
+                samples.append((key, rows[row_key_of(key)], fields))
     finally:
         for handle in handles.values():
             handle.close()
     rescore_id = uuid.uuid4().hex[:12]
-    results = asyncio.run(_score_all(samples, scorers, options, make_judge))
+    results = asyncio.run(_score_all([(row, fields) for _key, row, fields in samples], scorers, options, make_judge))
     lines = []
-    for (row, fields), (scores, usage) in zip(samples, results):
-        lines.append(RescoreRecord(row_key=row.key, run_id=fields.run_id, attempt=fields.meta.attempt,
+    for (key, _row, fields), (scores, usage) in zip(samples, results):
+        # the sample's own key: every sample of a row is a line of its own
+        lines.append(RescoreRecord(row_key=key, run_id=fields.run_id, attempt=fields.meta.attempt,
                                    scores=scores, usage=UsageRecord.of(usage), rescore_id=rescore_id,
                                    timestamp=now_iso()).model_dump_json().encode() + b"\n")
     _append(run_dir / RESCORES_FILE, redact_bytes(b"".join(lines)))  # as every committed line

@@ -121,3 +121,25 @@ def test_a_scorer_that_reaches_exec_through_a_helper_changes_nothing(tmp_path, m
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "a scorer called sample.exec" in proc.stderr and "nothing was changed" in proc.stderr
     assert _snapshot(run) == before
+
+
+def test_rescore_scores_every_sample_of_a_prompt_on_its_own(tmp_path, model_server, remote_args):
+    rows = [{"prompt": "@answers right|wrong|right\nFirst.", "id": "a", "target": "right"},
+            {"prompt": "@answers wrong|right|wrong\nSecond.", "id": "b", "target": "right"}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--distribution=terminal_only",
+                    *remote_args, "--samples_per_prompt=3", "--scorer=includes", "--num_workers=1"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (tmp_path / "wrongness.py").write_text(
+        "def wrongness(sample):\n"
+        "    return 1.0 if 'wrong' in sample.final_answer else 0.0\n")
+    proc = _rescore(tmp_path, "--scorer=wrongness.py:wrongness,includes")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")
+    assert len(kept) == 6
+    for line in kept:
+        answer = line["conversations"][-1]["value"]
+        assert [(e["scorer"], e["value"]) for e in line["metadata"]["scores"]] == [
+            ("wrongness.py:wrongness", float("wrong" in answer)), ("includes", float("right" in answer))], line
+    stats = json.loads((tmp_path / "data" / "r" / "statistics.json").read_text())
+    assert stats["scoring"]["samples"] == 6 and stats["scoring"]["passed"] == 3
