@@ -24,7 +24,7 @@ from agent.model_client import CallStats, ModelClient, RetryPolicy
 from agent.pricing import Prices
 from runner.compress import metrics as m
 from runner.compress.journal import Entry, Journal
-from runner.compress.options import CompressOptions
+from runner.compress.options import CompressOptions, same_fingerprint
 from runner.compress.plan import Region, choose_region, compressed_turns
 from runner.compress.rows import InputRow, read_rows, sample
 from runner.compress.summariser import Summariser, SummaryFailed
@@ -234,8 +234,11 @@ class Compressor:
             lines = target.read_bytes().splitlines()
         except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
             return {}
-        entry = next((f for f in files if isinstance(f, dict) and f.get("output") == str(target)), None)
-        if entry is None or entry.get("fingerprint") != fingerprint:
+        # The metrics JSON sits beside the output (or in its folder), so the file's name finds its entry
+        # however its path was spelt (relative, absolute, from another directory).
+        entry = next((f for f in files if isinstance(f, dict) and isinstance(f.get("output"), str)
+                      and Path(f["output"]).name == target.name), None)
+        if entry is None or not same_fingerprint(entry.get("fingerprint"), fingerprint):
             return {}
         if isinstance(entry.get("summariser"), dict):
             usage.append(entry["summariser"])

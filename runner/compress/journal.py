@@ -24,6 +24,7 @@ from pathlib import Path
 
 import orjson
 
+from runner.compress.options import same_fingerprint
 from runner.storage.atomic import private_opener
 
 JOURNAL_SUFFIX = ".progress"
@@ -101,7 +102,7 @@ class Journal:
         except orjson.JSONDecodeError:
             header = {}
         saved = header.get("fingerprint") if isinstance(header, dict) else None
-        if saved != fingerprint:
+        if not same_fingerprint(saved, fingerprint):
             changed = sorted(k for k in set(saved or {}) | set(fingerprint) if (saved or {}).get(k) != fingerprint.get(k))
             raise JournalError(f"{self.path} was written with other options ({', '.join(changed)} "
                                "differ): give the same ones to --resume, or delete it to start over")

@@ -58,7 +58,7 @@ class FileTally:
     tokens_before: int = 0
     tokens_after: int = 0
     resumed_rows: int = 0  # compressed by an earlier invocation: not asked for again
-    fingerprint: dict = field(default_factory=dict)  # the input's hash and the options that shape a row
+    fingerprint: dict = field(default_factory=dict)  # the options that shape a row (options.fingerprint_fields)
     usage: dict = field(default_factory=dict)  # sum_usage() of this file's summary requests, earlier ones too
 
     def add(self, metrics: dict | None) -> None:

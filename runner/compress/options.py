@@ -3,6 +3,7 @@ mapping with the same keys, and a flag given on the command line wins over the f
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,27 @@ class CompressOptions(BaseModel):
 
     def fingerprint_fields(self) -> dict:
         """What changes a row's output: a resumed compression must have the same."""
-        return {name: getattr(self, name) for name in ("target_max_tokens", "tokenizer", "sample_percent", "seed",
-                                                        "base_url", "summary_model", "protect_last_n_turns",
-                                                        "summary_target_tokens")}
+        fields = {name: getattr(self, name) for name in ("target_max_tokens", "tokenizer", "sample_percent", "seed",
+                                                          "base_url", "summary_model", "protect_last_n_turns",
+                                                          "summary_target_tokens")}
+        return {**fields, "tokenizer": tokenizer_identity(self.tokenizer)}
+
+
+def tokenizer_identity(spec: str) -> str:
+    """A local tokenizer by its absolute path (so `tok` and `../tok`, or the same folder named from
+    another directory, are one tokenizer); a hub name or `estimate` as given."""
+    path = Path(os.path.expanduser(spec))
+    return str(path.resolve()) if spec != ESTIMATE and path.exists() else spec
+
+
+def same_fingerprint(saved, current: dict) -> bool:
+    """Is `saved` (read from a journal or a metrics JSON) the fingerprint `current`? A local
+    tokenizer saved as given (relative, before tokenizer_identity) is read from here."""
+    if not isinstance(saved, dict):
+        return False
+    if isinstance(saved.get("tokenizer"), str):
+        saved = {**saved, "tokenizer": tokenizer_identity(saved["tokenizer"])}
+    return saved == current
 
 
 class OptionsError(ValueError):

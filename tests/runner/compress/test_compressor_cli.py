@@ -339,6 +339,21 @@ def test_resume_after_a_whole_run_asks_again_only_for_the_rows_that_failed(work)
     assert metrics["rows_resumed"] == 3 and metrics["summariser"]["requests"] == spent + 1
 
 
+def test_resume_after_a_whole_run_finds_it_whatever_the_spelling_of_the_paths(work):
+    (work / "sub").mkdir()
+    with ModelServer(policy=summarised()) as server:
+        first = compress(flags(server), work)
+        assert first.returncode == 0, described(first)
+        asked = server.count()
+        absolute = compress([*flags(server, "--resume")[1:], f"--input={work / 'runs.jsonl'}"], work)
+        assert absolute.returncode == 0, described(absolute)
+        elsewhere = compress([*flags(server, "--resume")[1:], "--input=../runs.jsonl", "--tokenizer=../tok"], work / "sub")
+        assert elsewhere.returncode == 0, described(elsewhere)
+        assert server.count() == asked  # nothing asked for again
+    metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
+    assert metrics["rows_resumed"] == 3 and metrics["summariser"]["requests"] == asked
+
+
 def test_resume_finds_earlier_summaries_by_row_content_in_a_changed_input(work):
     rows = [trajectory(10, 50, f"c{i}") for i in range(3)]
     write_jsonl(work / "runs.jsonl", rows)
