@@ -266,7 +266,6 @@ def dataset_card(run_dir: Path, counts: dict[str, int], samples: list[Sample]) -
     Only named settings of config.json go in (it holds no key, and nothing else is copied)."""
     config_file = runfiles.read_config(run_dir) or runfiles.ConfigFile()
     config = config_file.config
-    scorers = sorted({s.scorer for s in samples if s.scorer})
     front = ["---", "configs:"]
     for fmt in counts:
         front += [f"- config_name: {fmt}", f"  data_files: {fmt}.jsonl"]
@@ -279,11 +278,37 @@ def dataset_card(run_dir: Path, counts: dict[str, int], samples: list[Sample]) -
         *[f"- `{fmt}.jsonl`: {n:,} lines" for fmt, n in counts.items()],
         f"- Model: `{config.get('model', '')}`",
         f"- Toolset distribution: `{config.get('distribution', '')}`",
-        f"- Scorer: {', '.join(f'`{s}`' for s in scorers) if scorers else 'none (score 0.0, passed false)'}",
-        "- Selection: the kept trajectories (those of trajectories.jsonl); `dpo`: the best and the worst "
-        "scored sample of each prompt whose scores differ, from every ok sample whatever --keep kept",
+        f"- Scorers: {_scorers_line(config, samples)}",
+        f"- Selection: {_selection_line(config)}; `messages`: the kept trajectories (those of "
+        "trajectories.jsonl); `dpo`: the best and the worst scored sample of each prompt whose scores differ, "
+        "from every ok sample whatever --keep kept",
         f"- Config fingerprint: `{config_file.fingerprint}`",
         f"- Exported: {datetime.now(timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}",
         "",
     ]
     return "\n".join(front + body)
+
+
+def _scorers_line(config: dict, samples: list[Sample]) -> str:
+    """The run's scorers, the primary first with its pass threshold (the samples' own scorers
+    for a run whose config.json names none, e.g. one that was only rescored)."""
+    names = [str(name) for name in config.get("scorer") or []] if isinstance(config.get("scorer"), list) else []
+    primaries = sorted({s.scorer for s in samples if s.scorer})
+    if primaries and primaries != names[:1]:  # rescored: the lines carry the rescore's scores
+        return ", ".join(f"`{name}`" for name in primaries) + " (primary, from --rescore)"
+    if not names:
+        return "none (score 0.0, passed false)"
+    threshold = config.get("pass_threshold")
+    threshold = threshold if isinstance(threshold, (int, float)) and not isinstance(threshold, bool) else 1.0
+    return ", ".join([f"`{names[0]}` (primary; passes at {threshold:g})", *(f"`{name}`" for name in names[1:])])
+
+
+def _selection_line(config: dict) -> str:
+    keep = config.get("keep") if isinstance(config.get("keep"), str) else "all"
+    samples = config.get("samples_per_prompt")
+    samples = samples if isinstance(samples, int) and not isinstance(samples, bool) and samples > 0 else 1
+    line = f"`--keep={keep}` of {samples} sample{'s' if samples != 1 else ''} per prompt"
+    stop = config.get("stop_after_passing")
+    if isinstance(stop, int) and not isinstance(stop, bool):
+        line += f", `--stop_after_passing={stop}`"
+    return line

@@ -284,3 +284,18 @@ def test_a_sample_whose_primary_scorer_failed_is_never_paired(tmp_path, model_se
     pairs = read_jsonl(tmp_path / "data" / "e" / "export" / "dpo.jsonl")
     assert [(p["id"], p["chosen"][-1]["content"], p["rejected"][-1]["content"]) for p in pairs] == [
         ("b", "right", "wrong")]
+
+
+def test_the_dataset_card_names_every_scorer_and_the_selection(tmp_path, model_server, remote_args):
+    rows = [{"prompt": "@answers right|wrong\nQuestion.", "id": "c1", "target": "right"}]
+    proc = _run(tmp_path, "card", rows, remote_args, "--distribution=terminal_only", "--samples_per_prompt=2",
+                "--scorer=includes,exact", "--pass_threshold=0.5", "--keep=best", "--export=messages,dpo")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    card = (tmp_path / "data" / "card" / "export" / "README.md").read_text()
+    assert "- Scorers: `includes` (primary; passes at 0.5), `exact`\n" in card, card
+    assert "- Selection: `--keep=best` of 2 samples per prompt" in card, card
+    assert "`messages.jsonl`: 1 lines" in card and "`dpo.jsonl`: 1 lines" in card
+    # An unscored run says so.
+    assert _terminal_run(tmp_path, remote_args, "--export=messages").returncode == 0
+    card = (tmp_path / "data" / "a" / "export" / "README.md").read_text()
+    assert "- Scorers: none (score 0.0, passed false)\n" in card and "- Selection: `--keep=all` of 1 sample per prompt" in card
