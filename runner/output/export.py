@@ -84,20 +84,35 @@ def offered_tools(system_turn: str) -> list[dict]:
                                               "parameters": spec.get("parameters", {})}} for spec in listing]
 
 
-def _assistant(value: str) -> dict:
+def _assistant(value: str, answered: int) -> dict:
+    """A gpt turn as an assistant message. Its calls are its last `answered` `<tool_call>` blocks:
+    the writer puts the calls after the text, and the next turn holds one result per call. Any
+    other block is text the model wrote itself (a call it only described), kept in `content`."""
     reasoning = [part.strip() for part in _THINK.findall(value)]
     text = _THINK.sub("", value)
-    calls = []
-    for block in _TOOL_CALL.findall(text):
-        call = json.loads(block)
-        arguments = call.get("arguments")
-        calls.append({"id": "", "type": "function",
-                      "function": {"name": call["name"], "arguments": arguments if isinstance(arguments, dict) else {}}})
-    message = {"role": "assistant", "content": _TOOL_CALL.sub("", text).strip(),
+    blocks = list(_TOOL_CALL.finditer(text))[-answered:] if answered else []
+    calls = [_call(block.group(1)) for block in blocks]
+    if blocks and None not in calls:
+        text = text[:blocks[0].start()]
+    else:
+        calls = []
+    message = {"role": "assistant", "content": text.strip(),
                "reasoning_content": "\n\n".join(part for part in reasoning if part)}
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def _call(block: str) -> dict | None:
+    try:
+        call = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments")
+    return {"id": "", "type": "function",
+            "function": {"name": call["name"], "arguments": arguments if isinstance(arguments, dict) else {}}}
 
 
 def _tool_results(value: str) -> list[dict]:
@@ -138,7 +153,9 @@ def to_messages(turns: list[dict]) -> list[dict]:
         if kind == "human":
             messages.append({"role": "user", "content": value})
         elif kind == "gpt":
-            message = _assistant(value)
+            following = turns[turn_no + 1] if turn_no + 1 < len(turns) else None
+            answered = len(_TOOL_RESPONSE.findall(following["value"])) if following and following["from"] == "tool" else 0
+            message = _assistant(value, answered)
             last_calls = message.get("tool_calls", [])
             _pair_ids(last_calls, [], turn_no)  # ids for now; the next tool turn gives the real ones
             messages.append(message)

@@ -299,3 +299,37 @@ def test_the_dataset_card_names_every_scorer_and_the_selection(tmp_path, model_s
     assert _terminal_run(tmp_path, remote_args, "--export=messages").returncode == 0
     card = (tmp_path / "data" / "a" / "export" / "README.md").read_text()
     assert "- Scorers: none (score 0.0, passed false)\n" in card and "- Selection: `--keep=all` of 1 sample per prompt" in card
+
+
+TEXT_CALLS = {
+    # a model that writes a call as text in its answer (a server without a tool-call parser)
+    "Text call.": 'I would run:\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>',
+    # and one whose text block is no JSON at all
+    "Broken call.": "Like this:\n<tool_call>\n{not json\n</tool_call>\nDone.",
+}
+
+
+def _text_call_policy(body, state):
+    from tests.helpers.model_server import Reply, chat_completion, first_user_text
+
+    answer = TEXT_CALLS.get(first_user_text(body).splitlines()[-1])
+    return None if answer is None else Reply(body=chat_completion(body, answer, None, "Thinking."))
+
+
+def test_call_text_a_model_wrote_in_its_answer_stays_text(tmp_path):
+    from tests.helpers.model_server import ModelServer
+
+    with ModelServer(policy=_text_call_policy) as server:
+        rows = [{"prompt": "Text call.", "id": "x"}, {"prompt": "Broken call.", "id": "y"},
+                {"prompt": '@tool terminal {"command": "echo real"}\nReal call.', "id": "z"}]
+        proc = _run(tmp_path, "t", rows, [f"--base_url={server.base_url}", "--model=m", "--api_key=k"],
+                    "--distribution=terminal_only", "--export=messages")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = {line["id"]: line["messages"] for line in read_jsonl(tmp_path / "data" / "t" / "export" / "messages.jsonl")}
+    assert set(lines) == {"x", "y", "z"}
+    for row_id, prompt in (("x", "Text call."), ("y", "Broken call.")):
+        answer = lines[row_id][-1]
+        assert "tool_calls" not in answer and not any(m["role"] == "tool" for m in lines[row_id])  # no call was made
+        assert answer["content"] == TEXT_CALLS[prompt] and answer["reasoning_content"] == "Thinking."
+    real = [c for m in lines["z"] if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+    assert [c["function"]["arguments"] for c in real] == [{"command": "echo real"}]
