@@ -51,6 +51,10 @@ class WorkerRuntime:
         self.unavailable = unavailable
         self.log = log or (lambda text: None)
         register_config(config)  # this process redacts too: tool output is cut here, before its commit
+        # The run's rate is shared between processes in proportion to their sessions, of
+        # `run_sessions` in all (--num_workers, unless a Ray cluster's nodes have more).
+        self.rate_share = (config.max_requests_per_minute * sessions / max(sessions, run_sessions or config.num_workers)
+                           if config.max_requests_per_minute else None)
         if config.model == "mock":
             from agent.mock_model import MockModelClient
 
@@ -60,11 +64,7 @@ class WorkerRuntime:
                 config.base_url,
                 config.api_key.get_secret_value() if config.api_key else None,
                 max_in_flight=sessions,
-                # The run's rate is shared between processes in proportion to their sessions, of
-                # `run_sessions` in all (--num_workers, unless a Ray cluster's nodes have more).
-                requests_per_minute=(config.max_requests_per_minute * sessions
-                                     / max(sessions, run_sessions or config.num_workers)
-                                     if config.max_requests_per_minute else None),
+                requests_per_minute=self.rate_share,
                 policy=RetryPolicy(request_timeout=config.request_timeout),
                 prompt_caching=config.prompt_caching,
                 stop_after_unpriced=config.max_cost is not None and config.request_prices is None,
@@ -89,7 +89,17 @@ class WorkerRuntime:
         if url == config.base_url and isinstance(self.client, ModelClient):
             return self.client
         return ModelClient(url, config.api_key.get_secret_value() if config.api_key else None, max_in_flight=sessions,
-                           policy=RetryPolicy(request_timeout=config.request_timeout))
+                           requests_per_minute=self.rate_share,  # its own endpoint, paced as the run's
+                           policy=RetryPolicy(request_timeout=config.request_timeout),
+                           stop_after_unpriced=config.max_cost is not None and config.request_prices is None)
+
+    def _share_unpriced(self) -> None:
+        """A budget without prices stops at the first reply without a cost, the judge's (on an
+        endpoint of its own) as the agent's: after one, neither client sends another request."""
+        clients = [c for c in (self.client, self.judge_client) if isinstance(c, ModelClient)]
+        if any(c.unpriced_reply for c in clients):
+            for c in clients:
+                c.unpriced_reply = True
 
     def row_stats(self, task: Task) -> CallStats:
         """The usage counter of one row's session, reporting to the parent as requests complete."""
@@ -120,7 +130,11 @@ class WorkerRuntime:
                         run_command=run_command)
         context = ScoringContext(judge=judge, rubric=config.judge_rubric, verify_command=config.verify_command,
                                  verify_timeout=config.verify_timeout)
-        return await run_scorers(self.scorers, sample, context, config.pass_threshold)
+        self._share_unpriced()
+        try:
+            return await run_scorers(self.scorers, sample, context, config.pass_threshold)
+        finally:
+            self._share_unpriced()
 
 
 def _metadata(task: Task, config: RunConfig, started: float | None, session: SessionModel | None,

@@ -134,3 +134,21 @@ def test_an_unreachable_judge_endpoint_is_refused_at_start(tmp_path, model_serve
                 "--judge_base_url=http://127.0.0.1:9/v1")
     assert proc.returncode == 1 and "127.0.0.1:9" in proc.stderr and "nothing was started" in proc.stderr
     assert model_server.count() == 0
+
+
+def _judge_without_a_cost(body, state):
+    from tests.helpers.model_server import Reply, chat_completion
+
+    completion = chat_completion(body, "Read.\nGRADE: C")
+    del completion["usage"]["cost"]
+    return Reply(body=completion)
+
+
+def test_a_judge_of_its_own_that_reports_no_cost_stops_a_budget_without_prices(tmp_path, model_server, remote_args):
+    # --max_cost without prices stops at the first reply without a cost, the judge's as the agent's.
+    with ModelServer(policy=_judge_without_a_cost) as judge_server:
+        rows = [{"prompt": f"@answer ok\nQ{i}?"} for i in range(4)]
+        proc = _run(tmp_path, rows, remote_args, "--scorer=judge", "--judge_model=judge-x",
+                    f"--judge_base_url={judge_server.base_url}", "--max_cost=1", "--num_workers=1")
+        assert proc.returncode == 4, proc.stdout + proc.stderr
+        assert judge_server.count() == 1
