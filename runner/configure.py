@@ -84,10 +84,11 @@ def recorded_config(flags: dict) -> dict:
 # Besides the fingerprinted flags, what a resume needs to find the same rows and files, to keep
 # writing the same files (trajectories_compressed.jsonl follows trajectories.jsonl on every
 # resume), and what decides which samples are paid for and kept (a resumed run would otherwise
-# start the samples --stop_after_passing spared, and select another set of samples).
+# start the samples --stop_after_passing spared, and select another set of samples, or drop from
+# trajectories.jsonl the rows --keep_no_reasoning kept).
 _RESUMED_AS_RECORDED = ("dataset_file", "batch_size", "samples_per_prompt", "compress_to_tokens", "tokenizer",
                         "summary_model", "summary_target_tokens", "protect_last_n_turns", "max_concurrent_requests",
-                        "per_trajectory_timeout", "stop_after_passing", "keep")
+                        "per_trajectory_timeout", "stop_after_passing", "keep", "keep_no_reasoning")
 
 
 def with_recorded_flags(flags: dict, recorded: dict) -> dict:

@@ -60,3 +60,23 @@ def test_resume_refuses_rows_whose_config_json_cannot_be_read(tmp_path):
     allowed = run_cli([*flags, "--resume", "--allow_config_change"], tmp_path)
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
     assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 2
+
+
+def test_resume_with_only_the_run_name_keeps_the_rows_kept_by_keep_no_reasoning(tmp_path, model_server, remote_args):
+    """A run made with --keep_no_reasoning is resumed with it: its rows without reasoning stay in
+    trajectories.jsonl (they were dropped from it when a resume applied the default filter again)."""
+    rows = [{"prompt": f"Question {i}?\n@reasoning none"} for i in range(3)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    first = run_cli([f"--dataset_file={data}", "--batch_size=1", "--run_name=r", *remote_args, "--keep_no_reasoning",
+                     "--max_samples=2"], tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_dir = tmp_path / "data" / "r"
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 2
+    again = run_cli(["--run_name=r", "--resume"], tmp_path, env={"OPENAI_API_KEY": SECRET_KEY})
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 3
+    assert json.loads((run_dir / "config.json").read_text())["config"]["keep_no_reasoning"] is True
+    # The filter can be turned on again explicitly.
+    filtered = run_cli(["--run_name=r", "--resume", "--nokeep_no_reasoning"], tmp_path, env={"OPENAI_API_KEY": SECRET_KEY})
+    assert filtered.returncode == 0, filtered.stdout + filtered.stderr
+    assert read_jsonl(run_dir / "trajectories.jsonl") == []
