@@ -85,10 +85,13 @@ def recorded_config(flags: dict) -> dict:
 # writing the same files (trajectories_compressed.jsonl follows trajectories.jsonl on every
 # resume), and what decides which samples are paid for and kept (a resumed run would otherwise
 # start the samples --stop_after_passing spared, and select another set of samples, or drop from
-# trajectories.jsonl the rows --keep_no_reasoning kept).
+# trajectories.jsonl the rows --keep_no_reasoning kept), where the model's commands run (a resume
+# must not run the rows left outside the sandbox or the container limits the run was started with),
+# the exports rebuilt at the end, and the judge's endpoint.
 _RESUMED_AS_RECORDED = ("dataset_file", "batch_size", "samples_per_prompt", "compress_to_tokens", "tokenizer",
                         "summary_model", "summary_target_tokens", "protect_last_n_turns", "max_concurrent_requests",
-                        "per_trajectory_timeout", "stop_after_passing", "keep", "keep_no_reasoning")
+                        "per_trajectory_timeout", "stop_after_passing", "keep", "keep_no_reasoning", "sandbox",
+                        "container_network", "container_memory", "container_cpus", "export", "judge_base_url")
 
 
 def with_recorded_flags(flags: dict, recorded: dict) -> dict:

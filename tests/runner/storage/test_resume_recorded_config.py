@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+
+import pytest
 
 from tests.conftest import SECRET_KEY, read_jsonl, run_cli, write_jsonl
 
@@ -80,3 +83,24 @@ def test_resume_with_only_the_run_name_keeps_the_rows_kept_by_keep_no_reasoning(
     filtered = run_cli(["--run_name=r", "--resume", "--nokeep_no_reasoning"], tmp_path, env={"OPENAI_API_KEY": SECRET_KEY})
     assert filtered.returncode == 0, filtered.stdout + filtered.stderr
     assert read_jsonl(run_dir / "trajectories.jsonl") == []
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_resume_with_only_the_run_name_keeps_the_sandbox_the_container_limits_and_the_exports(tmp_path):
+    """A resume given only --run_name runs the rows left in the sandbox the run was started with (it
+    ran them unsandboxed), and rebuilds the exports it was started with (they were left behind
+    trajectories.jsonl)."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "First?"}, {"prompt": "Second?"}])
+    first = run_cli([f"--dataset_file={data}", "--batch_size=1", "--run_name=r", "--model=mock", "--sandbox=bwrap",
+                     "--container_network=none", "--container_memory=1g", "--export=messages", "--max_samples=1"],
+                    tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = run_cli(["--run_name=r", "--resume"], tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "no sandbox" not in again.stdout + again.stderr
+    run_dir = tmp_path / "data" / "r"
+    config = json.loads((run_dir / "config.json").read_text())["config"]
+    assert (config["tools"]["sandbox"], config["tools"]["container_network"], config["tools"]["container_memory"]) == (
+        "bwrap", "none", "1g")
+    assert config["export"] == ["messages"]
+    assert len(read_jsonl(run_dir / "export" / "messages.jsonl")) == len(read_jsonl(run_dir / "trajectories.jsonl")) == 2
