@@ -297,12 +297,12 @@ class BatchRunner:
 
         config = self.config
         store.repair_torn_tails(self.log)
-        store.load(self.log)
+        units = self._units(scan)[0]
+        store.load(self.log, units=units)  # the view's columns sized by the dataset
         from runner.storage.journal import record_journaled_spend
 
         # what the rows in flight spent when an earlier invocation's runner was killed
         record_journaled_spend(self.run_dir, store, skip_run_id=config.tools.run_id, log=self.log)
-        units = self._units(scan)[0]
         done = sum(1 for key in units if store.is_committed(key))
         remaining = len(units) - done
         if self.resume or done:

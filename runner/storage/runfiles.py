@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from runner.storage.atomic import atomic_write_bytes, atomic_write_json, private_opener
+from runner.storage.atomic import atomic_write_bytes, atomic_write_json, atomic_write_lines, private_opener
 
 CONFIG_FILE = "config.json"
 STATISTICS_FILE = "statistics.json"
@@ -230,4 +231,50 @@ def read_checkpoint(path: Path) -> CheckpointFile | None:
 
 
 def write_checkpoint(path: Path, checkpoint: dict) -> None:
-    atomic_write_json(path, checkpoint)
+    """checkpoint.json, streamed: a value given as `Streamed` (the rows, a million at 1,000,000
+    rows) is serialised a few thousand items at a time, never built whole in memory. The bytes
+    are those of the whole dict serialised at once (two-space indent)."""
+    atomic_write_lines(path, indented_json_chunks(checkpoint))
+
+
+class Streamed:
+    """A value of a top-level JSON object made by `items()` as it is written: an iterator of its
+    items (a list), or of its (key, value) pairs (an object, `pairs=True`). Iterated like the list
+    or the object's keys."""
+
+    def __init__(self, items: Callable[[], Iterator], *, pairs: bool = False):
+        self.items = items
+        self.pairs = pairs
+
+    def __iter__(self) -> Iterator:
+        return (pair[0] for pair in self.items()) if self.pairs else self.items()
+
+
+_CHUNK = 4096  # items serialised at a time
+
+
+def indented_json_chunks(value: dict) -> Any:
+    """orjson.dumps(value, OPT_INDENT_2) + b"\n", in chunks, with `Streamed` values expanded."""
+    yield b"{" if value else b"{}"
+    for position, (key, item) in enumerate(value.items()):
+        yield (b",\n  " if position else b"\n  ") + orjson.dumps(key) + b": "
+        if isinstance(item, Streamed):
+            yield from _streamed_chunks(item)
+        else:
+            yield orjson.dumps(item, option=orjson.OPT_INDENT_2).replace(b"\n", b"\n  ")
+    yield b"\n}\n" if value else b"\n"
+
+
+def _streamed_chunks(value: Streamed) -> Any:
+    iterator = value.items()
+    first = True
+    while True:
+        batch = [item for _, item in zip(range(_CHUNK), iterator)]
+        if not batch:
+            break
+        text = orjson.dumps(dict(batch) if value.pairs else batch, option=orjson.OPT_INDENT_2)
+        # "[\n  a,\n  b\n]" -> the items one level deeper, as inside the enclosing object
+        yield (b"[\n" if not value.pairs else b"{\n") if first else b",\n"
+        yield b"  " + text[2:-2].replace(b"\n", b"\n  ")
+        first = False
+    yield (b"{}" if value.pairs else b"[]") if first else (b"\n  }" if value.pairs else b"\n  ]")

@@ -30,11 +30,11 @@ from typing import Any
 from agent.usage import COUNT_FIELDS, TOKEN_FIELDS, Spend
 from runner.input.samples import row_key_of
 from runner.storage.records import OUTCOME_RANK, RESCORES_FILE, LineFields, read_line, read_rescores
+from runner.storage.rowtable import NO_WINNER, RowEntry, RowTable  # noqa: F401 (RowEntry: its home for callers)
 from runner.storage.scores import ScoreTally, primary_score
 from runner.storage.spendtally import SpendTally
 from tools.registry import all_tool_names
 
-NO_WINNER = -1  # rank of a row whose lines were all filtered
 OK_RANK, DISCARDED_RANK = OUTCOME_RANK["ok"], OUTCOME_RANK["discarded"]
 TOKEN_KEYS = TOKEN_FIELDS
 COUNT_KEYS = COUNT_FIELDS
@@ -43,38 +43,6 @@ COUNT_KEYS = COUNT_FIELDS
 # filtered, duplicates, rows no longer in the dataset). Their sum is the spend of every line.
 SPEND_BUCKETS = ("kept", "discarded", "failed", "other")
 _UNUSED = {"count": 0, "success": 0, "failure": 0}
-
-
-@dataclass(slots=True)
-class RowEntry:
-    """One row key: its winning line so far and how many attempts it took."""
-
-    rank: int  # OUTCOME_RANK of the winning line (NO_WINNER: every line was filtered)
-    prompt_index: int  # of the winning line, as committed
-    failures: int = 0  # failed lines of this row (the next attempt is failures + 1)
-    attempts: int = 0  # all lines of this row
-    file_no: int = -1  # where the winning line is; -1 when known from checkpoint.json only
-    line_no: int = 0  # 1-based line number in its file
-    offset: int = 0
-    length: int = 0
-    error_class: str | None = None
-    row_id: str = ""  # metadata.id of the winning line
-    detail: Any = None  # what the view's `detail` hook made of the winning line (the report's summary)
-    rescored: list | None = None  # the winning line's latest scores when --rescore gave it some (rescores.jsonl)
-    sample: int = 0  # metadata.sample of the winning line
-    passed: bool | None = None  # its primary score passed (None: not scored)
-    score: float | None = None  # its primary score's value
-    selected: bool = True  # an ok winner that --keep puts into trajectories.jsonl
-    pending: Any = None  # (usage, duration, tally part) of an ok winner until the selection is made
-
-    def beaten_by(self, rank: int) -> bool:
-        """THE rule: a strictly better outcome wins; the first line of an outcome stays."""
-        return rank > self.rank
-
-    @property
-    def committed(self) -> bool:
-        """Done for good: ok or discarded (a failed or filtered row runs again on resume)."""
-        return self.rank >= DISCARDED_RANK
 
 
 @dataclass
@@ -194,7 +162,8 @@ class RunView:
     def __init__(self, dataset: Mapping[str, int] | None = None, *, ids: Mapping[str, str] | None = None,
                  tally: bool = True, detail: Detail | None = None,
                  on_line: Callable[[LineFields], None] | None = None, log: Callable[[str], None] = print,
-                 selection: Selection = Selection()):
+                 selection: Selection = Selection(), units: Mapping[str, int] | None = None,
+                 located: bool = True):
         self.dataset = dataset
         self.selection = selection
         self.ids = ids or {}
@@ -203,7 +172,9 @@ class RunView:
         self.on_line = on_line
         self.log = log
         self.files: list[Path] = []
-        self.rows: dict[str, RowEntry] = {}
+        # row key -> RowEntry, in columns sized by the dataset's units (`units`, else `dataset`);
+        # `located=False`: without where each winning line is (the store does not need it)
+        self.rows = RowTable(units if units is not None else dataset, located=located)
         self.stale: set[str] = set()
         self.lines = 0
         self.unreadable = 0
@@ -272,7 +243,7 @@ class RunView:
             return
         entry = self.rows.get(key)
         if entry is None:
-            entry = self.rows[key] = RowEntry(NO_WINNER, fields.prompt_index)
+            entry = self.rows.create(key, NO_WINNER, fields.prompt_index)
         entry.attempts += 1
         if outcome == "failed":
             entry.failures += 1
@@ -286,13 +257,12 @@ class RunView:
         if not entry.beaten_by(rank):
             self._spend("other" if outcome == "ok" else outcome, fields)
             return
-        entry.rank, entry.prompt_index = rank, fields.prompt_index
-        entry.file_no, entry.line_no, entry.offset, entry.length = file_no, line_no, offset, length
-        entry.error_class, entry.row_id, entry.sample = fields.error_class, fields.row_id, fields.meta.sample
-        entry.rescored = rescored
         scores = fields.meta.scores if outcome != "failed" else None
         primary = primary_score(scores)
-        entry.passed, entry.score = (primary.passed, primary.value) if primary else (None, None)
+        self.rows.set_winner(entry.slot, rank, fields.prompt_index, file_no, line_no, offset, length,
+                             error_class=fields.error_class, row_id=fields.row_id, sample=fields.meta.sample,
+                             rescored=rescored, passed=primary.passed if primary else None,
+                             score=primary.value if primary else None)
         if primary is not None and self.tally:
             self.scores.add(row_key_of(key), scores)
         if outcome == "ok" and self.selection.keep != "all":

@@ -18,14 +18,15 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 
 from runner.storage.records import (OUTCOME_RANK, LineFields, outcome_of, record_line, row_key_of, stamp_batch,
                                     validate_record)
 from runner.storage.errors import StorageError  # noqa: F401  (raised here, caught by the CLI)
-from runner.storage.runfiles import CheckpointError, CheckpointFile, read_checkpoint, write_checkpoint
-from runner.storage.runview import NO_WINNER, SPEND_BUCKETS, RowEntry, RunView, Selection, Spend
+from runner.storage.runfiles import CheckpointError, CheckpointFile, Streamed, read_checkpoint, write_checkpoint
+from runner.storage.runview import NO_WINNER, SPEND_BUCKETS, RunView, Selection, Spend
 from runner.input.secrets import redact_bytes
 from runner.storage.atomic import atomic_write_bytes, atomic_write_json, keep_mode, private_opener  # noqa: F401 (their home for callers)
 from runner.timestamps import now_iso
@@ -117,7 +118,9 @@ class RunStore:
         self.checkpoint_path = run_dir / "checkpoint.json"
         # The store needs no selection among samples (--keep is the merge's): only the filters.
         self.selection = Selection(discard_no_reasoning=selection.discard_no_reasoning)
-        self.view = RunView(tally=False, selection=self.selection)  # what the batch files say (runner/storage/runview.py)
+        # what the batch files say (runner/storage/runview.py), without where each line is: the
+        # store only asks whether a row is done and how many attempts it took
+        self.view = RunView(tally=False, selection=self.selection, located=False)
         self.file_sizes: dict[str, int] = {}
         self._handle = None
         self._opening: Path | None = None  # the batch file being opened (named if that fails)
@@ -156,8 +159,10 @@ class RunStore:
             log(f"🩹 {path.name}: moved an unfinished last line ({len(torn)} bytes) to {path.name}.torn")
         return fixed
 
-    def load(self, log=print) -> None:
-        """Rebuild the run view from the batch files, reading only what checkpoint.json has not seen."""
+    def load(self, log=print, units: Mapping[str, int] | None = None) -> None:
+        """Rebuild the run view from the batch files, reading only what checkpoint.json has not seen.
+        `units` (the dataset's sample keys -> their row's index) sizes the view's columns by the
+        dataset, so a row committed costs a few bytes and no key string; any key still counts."""
         checkpoint = self._read_checkpoint(log)
         files = batch_files(self.run_dir)
         cached_sizes = checkpoint.files if checkpoint is not None else {}
@@ -165,10 +170,16 @@ class RunStore:
             (self.run_dir / name).exists() and (self.run_dir / name).stat().st_size >= size
             for name, size in cached_sizes.items()
         )
-        self.view = RunView(tally=False, log=log, selection=self.selection)
+        self.view = RunView(tally=False, log=log, selection=self.selection, units=units, located=False)
         self.view.files = files
         if trusted:
-            self._restore(checkpoint)
+            try:
+                self._restore(checkpoint)
+            except (TypeError, ValueError, OverflowError):  # a hand-edited or foreign checkpoint.json
+                log("⚠️  checkpoint.json's rows are unreadable; rebuilding them from the batch files")
+                trusted = False
+                self.view = RunView(tally=False, log=log, selection=self.selection, units=units, located=False)
+                self.view.files = files
         for file_no, path in enumerate(files):
             start = cached_sizes.get(path.name, 0) if trusted else 0
             self.file_sizes[path.name] = max(self.view.read_file(file_no, path, start), start)
@@ -179,8 +190,9 @@ class RunStore:
         rows = self.view.rows
         for key, (outcome, index, failures, *passed) in checkpoint.rows.items():
             rank = OUTCOME_RANK.get(outcome, NO_WINNER)
-            rows[key] = RowEntry(rank, index, failures=failures, attempts=failures + (rank != OUTCOME_RANK["failed"]),
-                                 passed=passed[0] if passed else None)
+            entry = rows.create(key, rank, index)
+            entry.failures, entry.attempts = failures, failures + (rank != OUTCOME_RANK["failed"])
+            entry.passed = passed[0] if passed else None
         self.view.batch_stats = checkpoint.batch_stats
         for bucket in SPEND_BUCKETS:
             self.view.spend[bucket] = Spend.from_cache(checkpoint.spend.get(bucket) or {})
@@ -299,19 +311,20 @@ class RunStore:
         if not force and (not self._dirty or now - self._last_checkpoint < self._checkpoint_gap):
             return
         rows = self.view.rows
-        completed = sorted({e.prompt_index for e in rows.values() if e.committed and e.prompt_index >= 0})
         with storage_errors(self.checkpoint_path):
             write_checkpoint(
                 self.checkpoint_path,
                 {
                     "run_name": self.run_name,
-                    "completed_prompts": completed,
+                    "completed_prompts": Streamed(rows.committed_indexes),
                     "batch_stats": self.batch_stats,
                     "last_updated": now_iso(),
                     "files": self.file_sizes,
                     # [outcome, prompt_index, failures] and, for a scored sample, whether it passed
-                    "rows": {k: [_OUTCOME_NAME.get(e.rank, "none"), e.prompt_index, e.failures,
-                                 *(() if e.passed is None else (e.passed,))] for k, e in rows.items()},
+                    "rows": Streamed(lambda: ((key, [_OUTCOME_NAME.get(rank, "none"), index, failures,
+                                                     *(() if passed is None else (passed,))])
+                                              for key, rank, index, failures, passed in rows.states()),
+                                     pairs=True),
                     "spend": {bucket: spend.cache_form() for bucket, spend in self.view.spend.items()},
                 },
             )
