@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import heapq
 import math
 import os
 import re
 import tempfile
+from array import array
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,6 +60,10 @@ VALUE_CHARS = 16_000
 VALUE_CHARS_TIGHT = 2_000
 CONVERSATION_CHARS = 200_000
 REPORT_CONVERSATION_CHARS = 24_000_000
+# The rows table lists at most this many rows (a sample shared fairly between outcome classes
+# past it, every failure class apart), so the page stays a few MB at a million rows; every count
+# and chart is over all the rows.
+TABLE_ROWS = 10_000
 
 # Row outcome codes on the page; "ok" in statistics.json is OK + PARTIAL.
 OK, PARTIAL, DISCARDED, FAILED = 0, 1, 2, 3
@@ -74,7 +81,7 @@ class _Row:
     entry: RowEntry  # where the line is (file, line number, offset)
     error_class: str | None
     error: str
-    row_id: str  # as committed, until `_report_rows` sets the current one
+    row_id: str  # as committed, until `_read_rows` sets the current one
     preview: str
     ts: float | None
     duration: float | None
@@ -193,15 +200,15 @@ def _scores_of(raw: Any) -> tuple[tuple[str, float, bool, str], ...]:
     return tuple(scores)
 
 
-def _scoring(rows: list[_Row], stats: dict) -> dict | None:
+def _scoring(primary: Counter, rows: list[_Row], stats: dict) -> dict | None:
     """The scores panel: statistics.json's scoring figures (counted where statistics.json is made;
-    from the rows here only when it has none), and the distribution of the primary values."""
-    scored = [r for r in rows if r.scores and r.code in (OK, PARTIAL)]
-    if not scored:
+    from the rows of the page's table only when it has none), and the distribution of the primary
+    values of every scored ok row (`primary`: rounded value -> rows)."""
+    if not primary:
         return None
-    primary = Counter(round(r.scores[0][1], 4) for r in scored)
     figures = stats.get("scoring")
-    if not isinstance(figures, dict):
+    scored = [r for r in rows if r.scores and r.code in (OK, PARTIAL)]
+    if not isinstance(figures, dict) and scored:
         names: list[str] = []
         totals: dict[str, list[float]] = {}
         for r in scored:
@@ -217,12 +224,66 @@ def _scoring(rows: list[_Row], stats: dict) -> dict | None:
                    "pass_at_k": {"1": round(passed / len(scored), 6)},
                    "errors": sum(why.startswith("scorer error") for r in scored for _n, _v, _p, why in r.scores),
                    "by_scorer": {name: round(total / count, 6) for name, (total, count) in totals.items()}}
-    return {**figures, "distribution": [[value, primary[value]] for value in sorted(primary)]}
+    return {**(figures or {}), "distribution": [[value, primary[value]] for value in sorted(primary)]}
+
+
+class ReportColumns:
+    """The report's figures of every row, in columns by the run view's slot: the hook a RunView
+    calls for each line that becomes a row's winner (`report_details()` makes one per view).
+
+    About 40 bytes a row: the charts (timeline, histograms, toolset shares, tool rows) need a few
+    numbers of every row, never its text. Toolsets and called tools repeat from row to row, so a
+    row holds the number of its combination. The rows table and the full conversations are a
+    bounded sample whose lines are read again at the end (`_table_rows`)."""
+
+    def __init__(self) -> None:
+        self.code = array("b")  # OK..FAILED; -1: no winner in this slot
+        self.ts = array("d")  # the winning line's timestamp (NaN: none)
+        self.duration = array("d")  # NaN: none
+        self.turns = array("i")  # -1: none (a failed row)
+        self.tool_calls = array("i")
+        self.toolsets = array("i")  # index in `toolset_pairs`; -1: none (a failed row)
+        self.tools = array("i")  # index in `tool_sets`: the tools the row called
+        self.score = array("d")  # the first score's value (NaN: not scored)
+        self.toolset_pairs: list[tuple[tuple[str, ...], tuple[str, ...]]] = []  # (offered, sampled)
+        self.tool_sets: list[tuple[str, ...]] = []
+        self._numbers: dict[Any, int] = {}
+
+    def _number(self, table: list, value: Any) -> int:
+        found = self._numbers.get((id(table), value))
+        if found is None:
+            found = self._numbers[(id(table), value)] = len(table)
+            table.append(value)
+        return found
+
+    def __call__(self, fields: LineFields, entry: RowEntry) -> None:
+        row = _make_row(fields, entry)
+        slot = entry.slot
+        if slot >= len(self.code):
+            grow = slot + 1 - len(self.code)
+            for column, default in ((self.code, -1), (self.ts, math.nan), (self.duration, math.nan), (self.turns, -1),
+                                    (self.tool_calls, -1), (self.toolsets, -1), (self.tools, -1), (self.score, math.nan)):
+                column.extend([default] * grow)
+        self.code[slot] = row.code
+        self.ts[slot] = math.nan if row.ts is None else row.ts
+        self.duration[slot] = math.nan if row.duration is None else row.duration
+        self.turns[slot] = -1 if row.turns is None else row.turns
+        self.tool_calls[slot] = -1 if row.tool_calls is None else row.tool_calls
+        self.toolsets[slot] = (-1 if row.toolsets is None else
+                               self._number(self.toolset_pairs, (row.toolsets, tuple(row.sampled or ()))))
+        called = tuple(name for name, (count, _, _) in (row.tools or {}).items() if count)
+        self.tools[slot] = self._number(self.tool_sets, called)
+        self.score[slot] = row.scores[0][1] if row.scores and row.code in (OK, PARTIAL) else math.nan
+        return None  # nothing kept on the entry: the columns have it
+
+    def slots(self) -> Iterator[int]:
+        """The slots that have a winner."""
+        return (slot for slot, code in enumerate(self.code) if code >= 0)
 
 
 def report_details() -> Detail:
-    """The hook a RunView calls for each line that becomes a row's winner: the report's row summary."""
-    return _make_row
+    """The hook a RunView calls for each line that becomes a row's winner: the report's columns."""
+    return ReportColumns()
 
 
 def read_view(run_dir: Path, dataset: dict[str, int] | None = None, ids: dict[str, str] | None = None,
@@ -235,7 +296,7 @@ def read_view(run_dir: Path, dataset: dict[str, int] | None = None, ids: dict[st
     if dataset is None:
         dataset, ids = dataset_of(config)
     files = batch_files(run_dir) if run_dir.is_dir() else []
-    view = read_run(files, RunView(dataset, ids=ids, detail=_make_row, log=log, selection=Selection.of(config)))
+    view = read_run(files, RunView(dataset, ids=ids, detail=ReportColumns(), log=log, selection=Selection.of(config)))
     return view, statistics_of(run_dir, view)
 
 
@@ -244,18 +305,20 @@ def _rate(success: int, failure: int) -> float:
     return round(success / answered * 100, 2) if answered else 0.0
 
 
-def _timeline(rows: list[_Row], invocations: dict[str, list]) -> dict | None:
-    stamped = [r for r in rows if r.ts is not None]
-    if not stamped:
+def _timeline(columns: ReportColumns, first: float | None, last: float | None,
+              invocations: dict[str, list]) -> dict | None:
+    """Rows finished per time step by outcome (`first`, `last`: the earliest and latest stamp)."""
+    if first is None or last is None:
         return None
-    starts = [span[0] for span in invocations.values()] or [min(r.ts for r in stamped)]
-    times = [r.ts for r in stamped]
-    start, end = min(min(starts), min(times)), max(times)
+    starts = [span[0] for span in invocations.values()] or [first]
+    start, end = min(min(starts), first), last
     bucket = _nice_bucket((end - start) / TIMELINE_BUCKETS)
     count = min(int((end - start) // bucket) + 1, TIMELINE_BUCKETS + 1)
     series = [[0] * count for _ in OUTCOME_NAMES]
-    for r in stamped:
-        series[r.code][min(count - 1, int((r.ts - start) // bucket))] += 1
+    for slot in columns.slots():
+        ts = columns.ts[slot]
+        if ts == ts:  # not NaN
+            series[columns.code[slot]][min(count - 1, int((ts - start) // bucket))] += 1
     return {
         "start": iso_of(start, "milliseconds"),
         "start_epoch": start,
@@ -277,7 +340,7 @@ def _nice_bucket(raw: float) -> float:
     return float(math.ceil(raw / 86400) * 86400)
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def _percentile(values, q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -293,22 +356,121 @@ def _target_distribution(name: str | None) -> dict[str, float] | None:
     return dict(entry["toolsets"]) if entry else None
 
 
-def _report_rows(view: RunView) -> list[_Row]:
-    """The winning line of every dataset row, in dataset order, with its current position and id
-    (the run view's, as in trajectories.jsonl)."""
-    rows = []
+@dataclass
+class _Figures:
+    """What the charts show of every row with a winner, from the report's columns in one pass."""
+
+    rows: int = 0
+    rows_using: Counter = field(default_factory=Counter)  # tool -> ok rows that called it
+    with_toolsets: int = 0  # rows that record their toolsets (ok and discarded)
+    offered: Counter = field(default_factory=Counter)
+    sampled: Counter = field(default_factory=Counter)
+    durations: array = field(default_factory=lambda: array("d"))
+    first: float | None = None  # earliest and latest stamp of a winning line
+    last: float | None = None
+    turns: Counter = field(default_factory=Counter)
+    tool_calls: Counter = field(default_factory=Counter)
+    primary: Counter = field(default_factory=Counter)  # rounded first score of scored ok rows -> rows
+
+
+def _figures(columns: ReportColumns) -> _Figures:
+    fig = _Figures()
+    toolsets: Counter[int] = Counter()
+    tools: Counter[int] = Counter()
+    c = columns
+    for slot in c.slots():
+        fig.rows += 1
+        code = c.code[slot]
+        if code in (OK, PARTIAL):
+            tools[c.tools[slot]] += 1
+        if c.toolsets[slot] >= 0:
+            toolsets[c.toolsets[slot]] += 1
+        if (duration := c.duration[slot]) == duration:
+            fig.durations.append(duration)
+        if (ts := c.ts[slot]) == ts:
+            fig.first = ts if fig.first is None else min(fig.first, ts)
+            fig.last = ts if fig.last is None else max(fig.last, ts)
+        if c.turns[slot] >= 0:
+            fig.turns[c.turns[slot]] += 1
+        if c.tool_calls[slot] >= 0:
+            fig.tool_calls[c.tool_calls[slot]] += 1
+        if (score := c.score[slot]) == score:
+            fig.primary[round(score, 4)] += 1
+    for number, rows in tools.items():
+        for name in c.tool_sets[number]:
+            fig.rows_using[name] += rows
+    for number, rows in toolsets.items():
+        offered, sampled = c.toolset_pairs[number]
+        fig.with_toolsets += rows
+        for name in set(offered):
+            fig.offered[name] += rows
+        for name in set(sampled):
+            fig.sampled[name] += rows
+    return fig
+
+
+def _columns_of(view: RunView) -> ReportColumns:
+    """The view's report columns (empty when it was read without the report's hook)."""
+    return view.detail if isinstance(view.detail, ReportColumns) else ReportColumns()
+
+
+def _table_rows(view: RunView, table_limit: int, full_limit: int) -> tuple[list[_Row], list[int]]:
+    """The rows of the page's table, in dataset order, and the positions among them of the rows
+    whose full conversation is embedded. Both are samples shared fairly between outcome classes
+    (`choose_sample`'s rule): up to `table_limit` rows, and up to `full_limit` of them in full.
+    Their lines are read again here; memory stays bounded by the limits, whatever the rows."""
+    columns = _columns_of(view)
+    keep = max(table_limit, full_limit, 0)
+    sizes: Counter[str] = Counter()
+    best: dict[str, list] = {}
     for key, entry in view.rows.items():
-        row = entry.detail
-        if row is None:
-            continue  # no winner (every line filtered), or read without the report's hook
-        row.index, row.row_id = view.current(key)
-        rows.append(row)
+        slot = entry.slot
+        if slot >= len(columns.code) or (code := columns.code[slot]) < 0:
+            continue  # no winner (every line filtered)
+        cls = f"failed:{entry.error_class}" if code == FAILED else OUTCOME_NAMES[code]
+        sizes[cls] += 1
+        members = best.setdefault(cls, [])
+        members.append((_stable_hash(key), key, entry))
+        if len(members) > 2 * keep + 64:
+            best[cls] = heapq.nsmallest(keep, members)
+    full_quota, table_quota = _quotas(sizes, full_limit), _quotas(sizes, table_limit)
+    picked: dict[str, tuple[RowEntry, bool]] = {}
+    for cls, members in best.items():
+        members.sort()
+        for position, (_hash, key, entry) in enumerate(members[: max(full_quota[cls], table_quota[cls])]):
+            picked[key] = (entry, position < full_quota[cls])
+    rows = _read_rows(view, picked)
     rows.sort(key=lambda r: (r.index, r.key))
+    return rows, [pos for pos, row in enumerate(rows) if picked[row.key][1]]
+
+
+def _read_rows(view: RunView, picked: dict[str, tuple[RowEntry, bool]]) -> list[_Row]:
+    """The report's row of each picked key, from its winning line read again (with its rescore)."""
+    rows = []
+    handles: dict[int, Any] = {}
+    try:
+        for key, (entry, _full) in sorted(picked.items(), key=lambda kv: (kv[1][0].file_no, kv[1][0].offset)):
+            if entry.file_no < 0:
+                continue
+            handle = handles.get(entry.file_no) or handles.setdefault(entry.file_no, open(view.files[entry.file_no], "rb"))
+            handle.seek(entry.offset)
+            fields = read_line(handle.read(entry.length))
+            if fields is None:
+                continue
+            if entry.rescored is not None:
+                fields.meta.replace("scores", entry.rescored)
+            row = _make_row(fields, entry)
+            row.index, row.row_id = view.current(key)
+            rows.append(row)
+    finally:
+        for handle in handles.values():
+            handle.close()
     return rows
 
 
-def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> dict:
-    """What the page shows: the counts of `stats` (statistics.json) and the charts over `rows`."""
+def _summarise(run_dir: Path, view: RunView, stats: dict, fig: _Figures, rows: list[_Row]) -> dict:
+    """What the page shows: the counts of `stats` (statistics.json), the charts over every row
+    (`fig`), and `rows`, the rows of its table (for the scores panel's rare fallback)."""
     config_file = read_config(run_dir) or ConfigFile()
     config = config_file.config
     stats_path = run_dir / "statistics.json"
@@ -316,12 +478,7 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
     saved = saved_file.data if saved_file is not None else None
 
     # Rows that called each tool (the chart's tooltip); the counts themselves are statistics.json's.
-    rows_using: Counter[str] = Counter()
-    for r in rows:
-        if r.code in (OK, PARTIAL):
-            for name, (count, _, _) in r.tools.items():
-                if count:
-                    rows_using[name] += 1
+    rows_using = fig.rows_using
     tool_statistics = {
         name: {"count": t["count"], "success": t["success"], "failure": t["failure"],
                "success_rate": t["success_rate"], "rows": rows_using[name]}
@@ -329,13 +486,11 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
     }
 
     # Toolsets: share of the rows that record them (ok and discarded), offered and sampled.
-    with_toolsets = [r for r in rows if r.toolsets is not None]
-    offered = Counter(t for r in with_toolsets for t in set(r.toolsets))
-    sampled = Counter(t for r in with_toolsets for t in set(r.sampled or ()))
+    offered, sampled = fig.offered, fig.sampled
     distribution = stats.get("distribution") or config.get("distribution")
     target = _target_distribution(distribution)
     names = list(target or {}) + sorted((set(offered) | set(sampled)) - set(target or {}))
-    share = (lambda n: round(n / len(with_toolsets) * 100, 2) if with_toolsets else 0.0)
+    share = (lambda n: round(n / fig.with_toolsets * 100, 2) if fig.with_toolsets else 0.0)
     toolsets = {
         name: {
             "rows": offered[name],
@@ -356,8 +511,8 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
     )
     run_time = stats["run_time"]
     active = run_time["running_seconds"]
-    durations = [r.duration for r in rows if r.duration is not None]
-    stamps = [r.ts for r in rows if r.ts is not None]
+    durations = fig.durations
+    first, last = fig.first, fig.last
     return {
         "run_name": stats["run_name"],
         "run_dir": str(run_dir),
@@ -369,7 +524,7 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
         "config": config,
         "created_at": config_file.created_at,
         "updated_at": config_file.updated_at,
-        "rows": len(rows),
+        "rows": fig.rows,
         "total_prompts": stats["total_prompts"],
         # Counts: statistics.json's, never the page's own.
         "outcomes": stats["outcomes"],
@@ -377,7 +532,7 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
         "retried_rows": stats["retried_rows"],
         "tool_statistics": tool_statistics,
         "toolsets": toolsets,
-        "toolset_rows": len(with_toolsets),
+        "toolset_rows": fig.with_toolsets,
         "reasoning_statistics": stats["reasoning_statistics"],
         "discarded_no_reasoning": stats["discarded_no_reasoning"],
         "tokens": stats["tokens"],
@@ -391,26 +546,26 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
             "retried": stats.get("spend_retried"),
             "invocations": read_invocations(run_dir) if run_dir.is_dir() else [],
         },
-        "scoring": _scoring(rows, stats),
+        "scoring": _scoring(fig.primary, rows, stats),
         "retries": stats["retries"],
         "requests": stats["requests"],
         "api_calls": stats["api_calls"],
         "histograms": {
-            "turns": _histogram(r.turns for r in rows if r.turns is not None),
-            "tool_calls": _histogram(r.tool_calls for r in rows if r.tool_calls is not None),
+            "turns": _histogram(fig.turns),
+            "tool_calls": _histogram(fig.tool_calls),
         },
-        "timeline": _timeline(rows, view.spans),
+        "timeline": _timeline(_columns_of(view), first, last, view.spans),
         "duration": {
-            "first_row_at": iso_of(min(stamps), "seconds") if stamps else None,
-            "last_row_at": iso_of(max(stamps), "seconds") if stamps else None,
-            "span_seconds": round(max(stamps) - min(stamps), 3) if stamps else None,
+            "first_row_at": iso_of(first, "seconds") if first is not None else None,
+            "last_row_at": iso_of(last, "seconds") if last is not None else None,
+            "span_seconds": round(last - first, 3) if first is not None else None,
             "active_seconds": active,
             "first_started_at": run_time["first_started_at"],
             "last_ended_at": run_time["last_ended_at"],
             "invocation_count": run_time["invocations"],
             "invocations": invocations,
-            "rows_per_minute": _two_places(rows_per_minute(len(rows), active)),
-            "throughput": f"{throughput_text(rows_per_minute(len(rows), active))} ({THROUGHPUT_DEFINITION})",
+            "rows_per_minute": _two_places(rows_per_minute(fig.rows, active)),
+            "throughput": f"{throughput_text(rows_per_minute(fig.rows, active))} ({THROUGHPUT_DEFINITION})",
             "row_seconds_p50": _percentile(durations, 0.5),
             "row_seconds_p90": _percentile(durations, 0.9),
             "row_seconds_max": max(durations) if durations else None,
@@ -428,8 +583,7 @@ def _summarise(run_dir: Path, view: RunView, stats: dict, rows: list[_Row]) -> d
     }
 
 
-def _histogram(values) -> dict[str, int]:
-    counts = Counter(values)
+def _histogram(counts: Counter) -> dict[str, int]:
     return {str(k): counts[k] for k in sorted(counts)}
 
 
@@ -454,7 +608,8 @@ def summarise_run(run_dir: Path, view: RunView | None = None, statistics: dict |
     with _no_gc_pauses():
         if view is None or statistics is None:
             view, statistics = read_view(run_dir, dataset, ids)
-        return _summarise(run_dir, view, statistics, _report_rows(view))
+        rows, _full = _table_rows(view, TABLE_ROWS, 0)
+        return _summarise(run_dir, view, statistics, _figures(_columns_of(view)), rows)
 
 
 # --- the sample of full conversations --------------------------------------------------------
@@ -468,30 +623,38 @@ def choose_sample(rows: list[_Row], limit: int) -> list[int]:
     """Positions in `rows` of at most `limit` rows, shared fairly between outcome classes.
 
     Every class (ok, partial, discarded, each failure class) gets an equal share; a class with
-    fewer rows gives its unused share to the others. Within a class the rows are ordered by a
-    hash of their key, so the choice is deterministic and spread over the whole run.
+    fewer rows gives its unused share to the others (`_quotas`). Within a class the rows are
+    ordered by a hash of their key, so the choice is deterministic and spread over the whole run.
     """
     classes: dict[str, list[int]] = {}
     for pos, row in enumerate(rows):
         classes.setdefault(row.sample_class, []).append(pos)
-    quota = dict.fromkeys(classes, 0)
-    left = max(0, limit)
-    open_classes = sorted(classes, key=lambda c: len(classes[c]))
-    while left and open_classes:
-        share = max(1, left // len(open_classes))
-        for name in list(open_classes):
-            take = min(share, len(classes[name]) - quota[name], left)
-            quota[name] += take
-            left -= take
-            if quota[name] == len(classes[name]):
-                open_classes.remove(name)
-            if not left:
-                break
+    quota = _quotas({name: len(members) for name, members in classes.items()}, limit)
     chosen: list[int] = []
     for name, members in classes.items():
         members.sort(key=lambda pos: _stable_hash(rows[pos].key))
         chosen.extend(members[: quota[name]])
     return sorted(chosen)
+
+
+def _quotas(sizes: dict[str, int], limit: int) -> dict[str, int]:
+    """Rows to take of each class (`sizes`: its rows), at most `limit` in all: equal shares, a
+    small class's unused share going to the others (the smallest classes served first; between
+    equal sizes, the class met first in `sizes`)."""
+    quota = dict.fromkeys(sizes, 0)
+    left = max(0, limit)
+    open_classes = sorted(sizes, key=lambda c: sizes[c])
+    while left and open_classes:
+        share = max(1, left // len(open_classes))
+        for name in list(open_classes):
+            take = min(share, sizes[name] - quota[name], left)
+            quota[name] += take
+            left -= take
+            if quota[name] == sizes[name]:
+                open_classes.remove(name)
+            if not left:
+                break
+    return quota
 
 
 class _Clipper:
@@ -638,12 +801,13 @@ def write_report(run_dir: Path, *, max_full_conversations: int = 500, log=print,
     with _no_gc_pauses():
         if view is None or statistics is None:
             view, statistics = read_view(run_dir, dataset, ids)
-        rows = _report_rows(view)
-        summary = _summarise(run_dir, view, statistics, rows)
+        rows, chosen = _table_rows(view, TABLE_ROWS, max_full_conversations)
+        summary = _summarise(run_dir, view, statistics, _figures(_columns_of(view)), rows)
         compact = _compact_rows(rows, summary, view.files)
-        chosen = choose_sample(rows, max_full_conversations)
         full, systems = _load_full(view.files, rows, chosen)
-    summary["sample"] = {"embedded": len(full), "limit": max_full_conversations, "rows": len(rows)}
+    # "rows": every row with an outcome; "table": those the rows table lists (a sample past TABLE_ROWS)
+    summary["sample"] = {"embedded": len(full), "limit": max_full_conversations, "rows": summary["rows"],
+                         "table": len(rows), "table_limit": TABLE_ROWS}
     summary.pop("run_dir", None)  # a local path says nothing to whoever receives the file
     blocks = {
         "SUMMARY_JSON": _json_for_script(summary),
@@ -668,7 +832,8 @@ def write_report(run_dir: Path, *, max_full_conversations: int = 500, log=print,
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    log(f"   report.html: {len(rows):,} rows, {len(full):,} full conversations, {target.stat().st_size / 1e6:.1f} MB")
+    table = f"{len(rows):,} rows" if len(rows) == summary["rows"] else f"a sample of {len(rows):,} of {summary['rows']:,} rows"
+    log(f"   report.html: {table}, {len(full):,} full conversations, {target.stat().st_size / 1e6:.1f} MB")
     return target
 
 

@@ -230,7 +230,7 @@ def test_report_is_self_contained_escaped_and_atomic(hand_run):
     full = _script_json(html, "full-data")
     assert len(full["rows"]) == 7 and len(full["systems"]) == 1  # the long system prompt is stored once
     summary = _script_json(html, "summary-data")
-    assert summary["sample"] == {"embedded": 7, "limit": 500, "rows": 7}
+    assert summary["sample"] == {"embedded": 7, "limit": 500, "rows": 7, "table": 7, "table_limit": 10_000}
     assert "run_dir" not in summary  # no local path in a file that gets shared
 
 
