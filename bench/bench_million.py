@@ -258,8 +258,9 @@ def report(rows: int, first: Phase, second: Phase, files: dict, lines: int, repo
     sample = summary.get("sample", {})
     print(f"\ntrajectories.jsonl: {lines:,} lines for {rows:,} rows; statistics.json ok = "
           f"{stats.get('outcomes', {}).get('ok', 0):,}; report.html {report_size / 1e6:.1f} MB "
-          f"({sample.get('embedded', '?')} full conversations of {sample.get('rows', '?')} rows, limit "
-          f"{sample.get('limit', '?')}; every row also has a one-line summary)")
+          f"(its rows table lists {sample.get('table', sample.get('rows', '?'))} of {sample.get('rows', '?')} rows, "
+          f"limit {sample.get('table_limit', 'none')}; {sample.get('embedded', '?')} full conversations, limit "
+          f"{sample.get('limit', '?')})")
     print(f"load average before / after: {load[0][0]:.1f} / {load[1][0]:.1f}")
     growth = (e2 - q2) if e2 is not None and q2 is not None else None
     checks = [

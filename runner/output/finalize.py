@@ -45,9 +45,11 @@ def kept_lines(view: RunView, *, selected_only: bool = True) -> Iterator[bytes]:
     sample), each with the row's current position and id: the lines of trajectories.jsonl, and
     what exports read. Kept: ok once the quality filters are applied, and selected by --keep
     (`selected_only=False`: whatever --keep selected, as preference pairs need every sample)."""
-    ok_rows = sorted((index, entry.sample, row_id, entry) for key, entry in view.rows.items()
-                     if entry.rank == OK_RANK and (entry.selected or not selected_only)
-                     for index, row_id in (view.current(key),))
+    ok_rows = ((index, entry.sample, row_id, entry) for key, entry in view.rows.items()
+               if entry.rank == OK_RANK and (entry.selected or not selected_only)
+               for index, row_id in (view.current(key),))
+    if not (view.rows.ordered and view.rows.units is view.dataset):
+        ok_rows = iter(sorted(ok_rows))  # else the view's rows come in dataset order already: no list of them
     handles = {}
     try:
         for index, _sample, row_id, winner in ok_rows:

@@ -34,9 +34,10 @@ _LOCATED = {"file_no": ("i", -1), "line_no": ("I", 0), "offset": ("Q", 0), "leng
 _SPARSE = {"error_class": None, "row_id": "", "detail": None, "rescored": None, "pending": None}
 
 
-def _units_layout(units: Mapping[str, int]) -> tuple[int, int] | None:
-    """(rows, samples per row) when every unit's slot `index * samples + sample` is distinct and
-    in range (the dataset's units always are); None otherwise (a hand-made mapping)."""
+def _units_layout(units: Mapping[str, int]) -> tuple[int, int, bool] | None:
+    """(rows, samples per row, whether the mapping lists the units in slot order) when every
+    unit's slot `index * samples + sample` is distinct and in range (the dataset's units always
+    are, in order); None otherwise (a hand-made mapping)."""
     if not units:
         return None
     rows = max(units.values()) + 1
@@ -44,12 +45,14 @@ def _units_layout(units: Mapping[str, int]) -> tuple[int, int] | None:
     if samples < 1 or rows * samples != len(units) or min(units.values()) < 0:
         return None
     seen = bytearray(rows * samples)
+    ordered, last = True, -1
     for key, index in units.items():
         slot = _slot(key, index, samples)
         if slot is None or seen[slot]:
             return None
         seen[slot] = 1
-    return rows, samples
+        ordered, last = ordered and slot > last, slot
+    return rows, samples, ordered
 
 
 def _slot(key: str, index: int, samples: int) -> int | None:
@@ -72,6 +75,8 @@ class RowTable:
         layout = _units_layout(units) if units is not None else None
         self.units = units if layout is not None else None
         self.samples = layout[1] if layout is not None else 1
+        # the units are listed by (row index, sample): iterating them is their order, no sort needed
+        self.ordered = layout is not None and layout[2]
         size = layout[0] * layout[1] if layout is not None else 0
         self.fixed = size  # slots below this belong to the units
         spec = {**_BASE, **(_LOCATED if located else {})}
