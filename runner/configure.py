@@ -264,12 +264,19 @@ def _require_api_key(config) -> None:
         )
 
 
+_SCORER_OPTIONS = (("verify_command", "command"), ("judge_model", "judge"), ("judge_base_url", "judge"),
+                   ("judge_rubric", "judge"))
+
+
 def check_scoring(config) -> None:
     """The scorers can be used (known, importable) and have what they need; ValueError if not."""
     from runner.scoring.scorers import resolve
 
     for name in config.scorer:
         resolve(name)
+    for option, scorer in _SCORER_OPTIONS:  # ignored, the check the user asked for would never run
+        if getattr(config, option, None) is not None and scorer not in config.scorer:
+            raise ValueError(f"--{option} is an option of --scorer={scorer}, which is not given")
     if "judge" in config.scorer:
         if not config.judge_model:
             raise ValueError("--scorer=judge needs --judge_model (the model that grades the answers)")

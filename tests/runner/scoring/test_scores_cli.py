@@ -106,6 +106,12 @@ def test_python_scorer_sync_and_async_and_failing(tmp_path, model_server, remote
     (["--scorer=includes"], [{"prompt": "Q", "target": 3}], "'target' must be a string or a list of strings"),
     (["--scorer=includes"], [{"prompt": "Q", "target": []}], "'target' must be a non-empty string"),
     (["--scorer=,"], [{"prompt": "Q"}], "--scorer is empty"),
+    # an option of a scorer the run does not use would be ignored: the check the user asked for never runs
+    (["--scorer=includes", "--verify_command=pytest -q"], [{"prompt": "Q", "target": "x"}],
+     "--verify_command is an option of --scorer=command, which is not given"),
+    (["--judge_model=judge-x"], [{"prompt": "Q"}], "--judge_model is an option of --scorer=judge, which is not given"),
+    (["--scorer=includes", "--judge_rubric=be strict"], [{"prompt": "Q", "target": "x"}],
+     "--judge_rubric is an option of --scorer=judge"),
 ])
 def test_bad_scoring_input_is_one_line_before_any_model_call(tmp_path, model_server, remote_args, flags, rows,
                                                              message):
