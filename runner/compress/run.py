@@ -64,7 +64,7 @@ def stopped_message(outcome: Outcome) -> str:
 
 def summary_lines(summary: dict, metrics_path: Path) -> list[str]:
     """The one-screen summary of a compression."""
-    out = [f"\n📦 Compressed {plural(summary['rows'], 'row')} into --target_max_tokens="
+    out = [f"\n📦 Compressed {summary['rows_compressed']:,} of {plural(summary['rows'], 'row')} into --target_max_tokens="
            f"{summary['options']['target_max_tokens']:,}"]
     for tally in summary["files"]:
         out.append(f"   {tally['input']} -> {tally['output']}")

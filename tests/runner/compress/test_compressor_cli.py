@@ -136,12 +136,14 @@ def test_a_summariser_that_fails_every_request_leaves_every_row_uncompressed_and
     assert metrics["rows_failed"] == 3 and metrics["failures"] == {"provider": 3}
     assert metrics["summariser"]["requests"] == failed_requests == 3 * 4  # a request and 3 retries each
     assert "summary failed: 3 rows" in result.stdout
+    assert "Compressed 0 of 5 rows into" in result.stdout and "Compressed 5 rows" not in result.stdout
     # --resume retries the failed rows (and only those) once the summariser works
     with ModelServer(policy=summarised()) as server:
         again = compress(flags(server, "--resume"), work)
         assert again.returncode == 0, described(again)
         assert server.count() == 3
     assert json.loads((work / "runs_compressed.metrics.json").read_text())["rows_compressed"] == 3
+    assert "Compressed 3 of 5 rows into" in again.stdout
 
 
 def test_a_cut_summary_and_a_timeout_are_failures_not_summaries(work):

@@ -44,7 +44,7 @@ def test_a_run_writes_its_compressed_trajectories_beside_the_uncompressed_ones(t
     asked = summary_requests(model_server)
     assert metrics["summariser"]["requests"] == len(asked) == 3
     assert all(r.body["model"] == "test-model" and r.headers["authorization"] == f"Bearer {SECRET_KEY}" for r in asked)
-    assert "Compressed 3 rows" in result.stdout
+    assert "Compressed 3 of 3 rows" in result.stdout
     for path in run_dir.rglob("*"):
         if path.is_file():
             assert SECRET_KEY.encode() not in path.read_bytes(), path
