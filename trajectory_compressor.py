@@ -40,6 +40,7 @@ from pathlib import Path
 
 from batch_runner import EXIT_ERROR, EXIT_FATAL_PROVIDER, EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK
 from runner.console import plural
+from runner.input.flags import BOOL_WORDS
 
 _LOOPBACK_PREFIXES = ("http://localhost", "http://127.", "http://[::1]", "https://localhost", "https://127.")
 SHOWN_DRY_RUN_ROWS = 20  # rows listed by --dry_run (then only the totals)
@@ -204,12 +205,30 @@ def _check_argv(argv: list[str]) -> str | None:
                     "bool", bool):
                 continue  # the value of `--flag value`
             return f"unexpected argument {arg!r}: flags are written --flag=value (see --help)"
-        key = arg[2:].split("=", 1)[0].replace("-", "_")
+        key, has_value, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if has_value and names.get(key) in ("bool", bool) and value.strip().lower() not in BOOL_WORDS:
+            return (f"--{key} is on or off, not {value!r}: write --{key}, --no{key} or --{key}=true/false "
+                    "(yes/no, on/off, 1/0)")
         if key in names or (key.startswith("no") and names.get(key[2:]) in ("bool", bool)):
             continue
         guess = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
         return f"unknown flag --{key}" + (f"; did you mean --{guess[0]}?" if guess else "") + " (see --help)"
     return None
+
+
+def _bare_booleans(argv: list[str]) -> list[str]:
+    """`--flag=WORD` of a boolean flag as fire's bare `--flag` or `--noflag` (fire alone would make
+    any text true: `--dry_run=false` a dry run)."""
+    names = _flag_names()
+    result = []
+    for arg in argv:
+        key, has_value, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        key = key.replace("-", "_")
+        if has_value and names.get(key) in ("bool", bool):
+            arg = f"--{key}" if BOOL_WORDS[value.strip().lower()] else f"--no{key}"
+        result.append(arg)
+    return result
 
 
 def cli(argv: list[str] | None = None) -> None:
@@ -228,7 +247,7 @@ def cli(argv: list[str] | None = None) -> None:
         print(f"❌ Error: {problem}", file=sys.stderr)
         raise SystemExit(EXIT_ERROR)
     strings = {name for name, kind in _flag_names().items() if kind in ("str", str)}
-    fire.Fire(fire.decorators.SetParseFns(**{name: str for name in strings})(main), command=argv)
+    fire.Fire(fire.decorators.SetParseFns(**{name: str for name in strings})(main), command=_bare_booleans(argv))
 
 
 if __name__ == "__main__":

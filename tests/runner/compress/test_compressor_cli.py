@@ -272,6 +272,19 @@ def test_without_the_compress_extra_the_missing_package_is_named(work, args, exp
     assert expected in result.stderr and result.stderr.count("\n") == 1, described(result)
 
 
+def test_a_boolean_flag_given_a_value_means_that_value(work):
+    with ModelServer(policy=summarised()) as server:
+        off = compress([*flags(server), "--dry_run=false"], work)  # fire alone makes any text true
+        assert off.returncode == 0 and server.count() == 3, described(off)
+        assert (work / "runs_compressed.jsonl").exists()
+        on = compress([*flags(server), "--dry_run=yes", "--output=other.jsonl"], work)
+        assert on.returncode == 0 and "Dry run" in on.stdout and server.count() == 3, described(on)
+        bad = compress([*flags(server), "--resume=maybe"], work)
+        assert bad.returncode == 1 and server.count() == 3, described(bad)
+    assert "--resume is on or off, not 'maybe'" in bad.stderr
+    assert not (work / "other.jsonl").exists()
+
+
 def test_a_remote_summariser_without_a_key_is_refused(work):
     result = compress(["--input=runs.jsonl", "--tokenizer=tok", "--base_url=https://example.invalid/v1"], work)
     assert result.returncode == 1 and "no API key for https://example.invalid/v1" in result.stderr
