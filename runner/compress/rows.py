@@ -35,7 +35,7 @@ def input_pairs(input_path: str, output: str | None) -> list[tuple[Path, Path]]:
     source = Path(input_path)
     if source.is_dir():
         target = Path(output) if output else _sibling(source, "_compressed")
-        files = sorted(source.glob("*.jsonl"))
+        files = sorted(path for path in source.glob("*.jsonl") if path.is_file())
         if not files:
             raise InputError(f"--input={input_path}: the directory holds no *.jsonl file")
         if target.resolve() == source.resolve():

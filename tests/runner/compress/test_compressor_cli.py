@@ -319,6 +319,16 @@ def test_a_directory_is_compressed_file_by_file_into_a_sibling_directory(work):
     assert metrics["rows"] == 4 and metrics["rows_compressed"] == 2 and len(metrics["files"]) == 2
 
 
+def test_a_folder_named_like_a_jsonl_file_inside_the_input_directory_is_not_an_input(work):
+    folder = work / "runs"
+    (folder / "old.jsonl").mkdir(parents=True)
+    write_jsonl(folder / "a.jsonl", [trajectory(10, 50, "a0")])
+    with ModelServer(policy=summarised()) as server:
+        result = compress([*flags(server)[1:], "--input=runs"], work)
+    assert result.returncode == 0, described(result)
+    assert [p.name for p in (work / "runs_compressed").iterdir() if p.suffix == ".jsonl"] == ["a.jsonl"]
+
+
 def test_sample_percent_keeps_a_seeded_share_in_order(work):
     write_jsonl(work / "runs.jsonl", [trajectory(1, 5, f"r{i}") for i in range(20)])
     with ModelServer(policy=summarised()) as server:
