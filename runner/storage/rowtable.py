@@ -195,6 +195,23 @@ class RowTable:
                 marks[at] = 1
         return (at for at, mark in enumerate(marks) if mark)
 
+    def outcome_tally(self) -> tuple[int, int, int, int, dict[str, int]]:
+        """(rows retried, discarded, failed, with a winner, failed rows by error class), read from
+        the columns directly (statistics.json's counts at a million rows, without an entry per row)."""
+        rank, attempts = self.columns["rank"], self.columns["attempts"]
+        retried = sum(1 for slot, tries in enumerate(attempts) if tries > 1 and rank[slot] != ABSENT)
+        discarded = rank.count(_DISCARDED_RANK)
+        with_winner = len(rank) - rank.count(ABSENT) - rank.count(NO_WINNER)
+        classes = self.sparse["error_class"]
+        by_class: dict[str, int] = {}
+        failed = 0
+        for slot, value in enumerate(rank):
+            if value == 0:  # OUTCOME_RANK["failed"]
+                failed += 1
+                cls = classes.get(slot) or "agent"
+                by_class[cls] = by_class.get(cls, 0) + 1
+        return retried, discarded, failed, with_winner, by_class
+
     def nbytes(self) -> int:
         """Bytes of the columns (the per-slot cost, without the sparse fields and extra keys)."""
         return sum(column.itemsize * len(column) for column in self.columns.values())

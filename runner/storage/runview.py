@@ -363,22 +363,26 @@ class RunView:
         """Row outcomes of the dataset (every key in the files when no dataset was given). With
         --stop_after_passing, the samples of a row that passed enough which were not run (or whose
         attempts failed) are "spared": done, neither failed nor "not run"."""
-        discarded = failed = spared = 0
-        failed_by_class: dict[str, int] = {}
-        retried = 0
-        spares = self._spares()
-        for key, entry in self.rows.items():
-            if entry.attempts > 1:
-                retried += 1
-            if entry.rank == DISCARDED_RANK:
-                discarded += 1
-            elif entry.rank < DISCARDED_RANK and spares(key):
-                spared += 1
-            elif entry.rank == OUTCOME_RANK["failed"]:
-                failed += 1
-                cls = entry.error_class or "agent"
-                failed_by_class[cls] = failed_by_class.get(cls, 0) + 1
-        with_winner = sum(1 for e in self.rows.values() if e.rank != NO_WINNER)
+        spared = spared_winnerless = 0
+        if self.selection.stop_after_passing is None:  # nothing is spared: a pass over the columns
+            retried, discarded, failed, with_winner, failed_by_class = self.rows.outcome_tally()
+        else:
+            discarded = failed = retried = with_winner = 0
+            failed_by_class: dict[str, int] = {}
+            spares = self._spares()
+            for key, entry in self.rows.items():
+                rank = entry.rank
+                retried += entry.attempts > 1
+                with_winner += rank != NO_WINNER
+                if rank == DISCARDED_RANK:
+                    discarded += 1
+                elif rank < DISCARDED_RANK and spares(key):
+                    spared += 1
+                    spared_winnerless += rank == NO_WINNER
+                elif rank == OUTCOME_RANK["failed"]:
+                    failed += 1
+                    cls = entry.error_class or "agent"
+                    failed_by_class[cls] = failed_by_class.get(cls, 0) + 1
         total = len(self.dataset) if self.dataset is not None else len(self.rows)
         spared_unrun = 0
         if self.dataset is not None and self.selection.stop_after_passing is not None:
@@ -390,8 +394,7 @@ class RunView:
             "turn_limit": self.kept.turn_limit,
             "discarded": discarded,
             "failed": failed,
-            "not_run": total - with_winner - spared_unrun - sum(
-                1 for key, e in self.rows.items() if e.rank == NO_WINNER and spares(key)),
+            "not_run": total - with_winner - spared_unrun - spared_winnerless,
             "filtered": self.filtered,
         }
         if self.selection.keep != "all":
