@@ -35,10 +35,14 @@ class RunDirectory:
 
     def prepare(self) -> None:
         """Refuse to mix runs by accident: a rerun needs --resume (or --overwrite). Runs under the lock."""
+        from runner.storage.journal import journals, settled_journals
         from runner.storage.store import batch_files, own_files
 
         has_rows = bool(batch_files(self.path))
-        if has_rows and self.overwrite:
+        if (has_rows or journals(self.path)) and self.overwrite:
+            # A killed run's spend journals are its outputs too (even with no row committed yet):
+            # removed with the rest, after their workers exited, so this run never records them.
+            settled_journals(self.path, self.config.tools.run_id, print)
             # Only what the runner wrote: a dataset or notes the user keeps in the folder stay.
             dataset = Path(self.config.dataset_file).resolve()
             # config.json last: a kill in between leaves rows only with the configuration they were made with

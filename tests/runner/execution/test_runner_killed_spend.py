@@ -126,3 +126,42 @@ def test_a_resume_killed_in_turn_still_counts_every_request_once(tmp_path, model
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert _recorded_requests(tmp_path) == model_server.count()
     assert not list((tmp_path / "data" / "r").glob(".spend_*")), "the journals are retired once recorded"
+
+
+def _batch_lines(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted((tmp_path / "data" / "r").glob("batch_*.jsonl"))
+            for line in path.read_text().splitlines() if line.strip()]
+
+
+def _overwrite_after_a_kill(tmp_path: Path, server, *, after_requests: int) -> tuple[subprocess.CompletedProcess, int]:
+    """Kill a run once `after_requests` were sent, then --overwrite it with another dataset; the
+    requests the overwriting run sent."""
+    write_jsonl(tmp_path / "d.jsonl", _rows(16))  # 4 requests a row, 8 rows at a time
+    proc = _start(tmp_path, server)
+    _kill_runner_only(proc, server, after_requests=after_requests)
+    assert list((tmp_path / "data" / "r").glob(".spend_*")), "the killed run left journals"
+    assert bool(_batch_lines(tmp_path)) == (after_requests > 32), "the kill came before (after) the first commit"
+    before = server.count()
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"@cost {COST}\nFresh row {i}."} for i in range(2)])
+    fresh = _cli(tmp_path, server, "--overwrite")
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    return fresh, server.count() - before
+
+
+def _assert_only_the_new_run(tmp_path: Path, fresh: subprocess.CompletedProcess, sent: int) -> None:
+    assert "removed the earlier outputs" in fresh.stdout, fresh.stdout
+    assert "Recorded from the workers' journals" not in fresh.stdout, fresh.stdout
+    lines = _batch_lines(tmp_path)
+    assert len(lines) == 2 and not any("Killed runner row" in json.dumps(line) for line in lines), lines
+    assert _recorded_requests(tmp_path) == sent == 2
+    assert not list((tmp_path / "data" / "r").glob(".spend_*"))
+
+
+def test_overwrite_after_a_kill_before_any_row_was_committed_removes_the_old_journals(tmp_path, model_server):
+    fresh, sent = _overwrite_after_a_kill(tmp_path, model_server, after_requests=2)
+    _assert_only_the_new_run(tmp_path, fresh, sent)
+
+
+def test_overwrite_after_a_kill_with_rows_committed_removes_the_old_journals(tmp_path, model_server):
+    fresh, sent = _overwrite_after_a_kill(tmp_path, model_server, after_requests=40)
+    _assert_only_the_new_run(tmp_path, fresh, sent)
