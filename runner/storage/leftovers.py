@@ -33,8 +33,8 @@ def clean_run_leftovers(run_dir: Path, log=print) -> None:
 
     The lock says no other runner works on this run directory, so the previous invocation (named
     in config.json) is dead, and so is everything it left: its temp files in the run directory, its
-    commands and, unless it kept them on purpose (--keep_workdirs), its working directories.
-    Containers of dead owners are reaped before any image is prepared (tools.environments.images).
+    commands and, unless it kept them on purpose (--keep_workdirs), its working directories (kept
+    sandbox workdirs are cleared of setuid and setgid bits). Containers of dead owners are reaped before any image is prepared (tools.environments.images).
     """
     try:
         removed = remove_runner_temp_files(run_dir)
@@ -49,10 +49,13 @@ def clean_run_leftovers(run_dir: Path, log=print) -> None:
     run_id = saved.run_id
     tools = saved.setting("tools")
     tools = tools if isinstance(tools, dict) else {}
-    from tools.environments.local import kill_task_processes, remove_workdirs
+    from tools.environments.local import clear_set_id_bits, kill_task_processes, remove_workdirs, task_workdirs
 
     killed = kill_task_processes(lambda task: task.startswith(f"{run_id}-"))
     workdirs = 0 if tools.get("keep_workdirs") else remove_workdirs(tools.get("workdir_root"), f"{run_id}-p")
+    if tools.get("keep_workdirs") and tools.get("sandbox") == "bwrap":  # kept, but nothing setuid stays
+        for folder in task_workdirs(tools.get("workdir_root"), f"{run_id}-p"):
+            clear_set_id_bits(folder)
     if killed or workdirs:
         log(f"🧹 Cleaned up after the previous, killed invocation of this run ({run_id}): "
             f"{killed} process(es) stopped, {workdirs} working directory(ies) removed")

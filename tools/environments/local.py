@@ -103,13 +103,17 @@ class LocalEnvironment(Backend):
 
     @classmethod
     def clean_task_leftovers(cls, settings, task_ids: list[str], *, log) -> None:
-        """Stop the tasks' commands and remove their working directories."""
+        """Stop the tasks' commands and remove their working directories (kept ones: cleared of
+        setuid and setgid bits, as a session's own cleanup would have done)."""
         wanted = set(task_ids)
         if wanted:
             kill_task_processes(lambda task: task in wanted)
-        if not settings.keep_workdirs:
-            for task_id in task_ids:
+        for task_id in task_ids:
+            if not settings.keep_workdirs:
                 remove_workdirs(settings.workdir_root, workdir_prefix(task_id))
+            elif settings.sandbox == "bwrap":
+                for folder in task_workdirs(settings.workdir_root, workdir_prefix(task_id)):
+                    clear_set_id_bits(folder)
 
     def start(self) -> None:
         cfg = self.config
@@ -169,8 +173,9 @@ class LocalEnvironment(Backend):
         covered = [arg for path in host_sockets_in(seen) for arg in ("--ro-bind", "/dev/null", path)]
         read_only_proc = [arg for path in _READ_ONLY_PROC for arg in ("--ro-bind-try", path, path)]
         info_r, info_w = os.pipe()
+        filter_fd = _filter_for_bwrap()
         bwrap_args = [
-            "--info-fd", str(info_w), "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts",
+            "--info-fd", str(info_w), "--seccomp", str(filter_fd), "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts",
             "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent",
             *_system_mounts(), *dev, "--proc", "/proc", *read_only_proc, *covered,
             "--perms", "1777", "--tmpfs", "/tmp", "--dir", "/var", "--perms", "1777", "--tmpfs", "/var/tmp",
@@ -186,11 +191,12 @@ class LocalEnvironment(Backend):
             # runner dies, `cat` reads EOF, bwrap exits and the kernel kills the whole sandbox.
             self._holder = subprocess.Popen(
                 ["sh", "-c", 'bwrap "$@"; exit $?', "sh", *bwrap_args],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(info_w,),
-                env=_sandbox_env(),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(info_w, filter_fd), env=_sandbox_env(),
             )  # fmt: skip
         finally:
             os.close(info_w)
+            os.close(filter_fd)
         with os.fdopen(info_r, "rb", buffering=0) as info:
             if self._holder.stdout.readline() != b"ready\n":  # the mounts are in place once it answers
                 err = self._holder.communicate(timeout=10)[1].decode(errors="replace").strip()
@@ -366,6 +372,18 @@ def _socket_filter() -> socket_filter.SocketFilter:
     return socket_filter.SocketFilter()
 
 
+def _filter_for_bwrap() -> int:
+    """A pipe's read end holding the socket filter, for bwrap's --seccomp: the sandbox's first
+    process (the holder) gets it too, so that a command running as the same user cannot make that
+    process open a unix socket for it."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, _socket_filter().program)  # a few hundred bytes: the pipe holds them
+    finally:
+        os.close(write_end)
+    return read_end
+
+
 def _sandbox_env() -> dict[str, str]:
     """The whole environment of a sandbox: what commands need, nothing of the runner's."""
     env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp"}
@@ -481,19 +499,22 @@ def kill_task_processes(belongs) -> int:
     return len(killed)
 
 
-def remove_workdirs(root: str | None, prefix: str) -> int:
-    """Remove the per-prompt working directories in `root` (default: the temp dir) named `prefix*`."""
+def task_workdirs(root: str | None, prefix: str) -> list[str]:
+    """The per-prompt working directories in `root` (default: the temp dir) named `prefix*`."""
     root = os.path.realpath(root or tempfile.gettempdir())
-    removed = 0
     try:
         entries = list(os.scandir(root))
     except OSError:
-        return 0
-    for entry in entries:
-        if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path, onerror=_force_remove)
-            removed += 1
-    return removed
+        return []
+    return [entry.path for entry in entries if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False)]
+
+
+def remove_workdirs(root: str | None, prefix: str) -> int:
+    """Remove the per-prompt working directories in `root` named `prefix*`; returns how many."""
+    folders = task_workdirs(root, prefix)
+    for folder in folders:
+        shutil.rmtree(folder, onerror=_force_remove)
+    return len(folders)
 
 
 def _signal(pid: int, sig: int = signal.SIGKILL) -> None:

@@ -291,3 +291,27 @@ def test_set_id_bits_are_cleared_inside_a_folder_closed_to_its_owner():
         assert not os.stat(planted).st_mode & (stat.S_ISUID | stat.S_ISGID)
     finally:
         shutil.rmtree(top.parent)
+
+
+def test_kept_workdirs_of_a_killed_worker_are_cleared_of_set_id_bits(tmp_path):
+    # A worker killed with SIGKILL never ran its sessions' cleanup: the next clean-up of its tasks
+    # does what that cleanup would have done to a kept sandbox workdir.
+    from types import SimpleNamespace
+
+    from tools.environments.local import workdir_prefix
+
+    task = "run1-p3-a1"
+    work = tmp_path / (workdir_prefix(task) + "abc123") / "work"
+    work.mkdir(parents=True)
+    planted = work / "rootsh"
+    planted.write_bytes(b"#!/bin/sh\n")
+    planted.chmod(0o4755)
+    other = tmp_path / (workdir_prefix("run1-p4-a1") + "def456")
+    other.mkdir()
+    untouched = other / "theirs"
+    untouched.write_bytes(b"")
+    untouched.chmod(0o4755)
+    settings = SimpleNamespace(keep_workdirs=True, sandbox="bwrap", workdir_root=str(tmp_path))
+    LocalEnvironment.clean_task_leftovers(settings, [task], log=print)
+    assert planted.exists() and not planted.stat().st_mode & stat.S_ISUID
+    assert untouched.stat().st_mode & stat.S_ISUID  # another task's folder is not this clean-up's

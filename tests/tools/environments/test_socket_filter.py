@@ -36,6 +36,11 @@ found = {
     "unix_datagram": attempt(lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)),
     "inet": attempt(lambda: socket.socket(socket.AF_INET)),
     "pair": attempt(lambda: socket.socketpair()[0]),
+    "seqpacket_pair": attempt(lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)[0]),
+    "datagram_pair": attempt(lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)[0]),
+    "raw_pair": attempt(lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_RAW | socket.SOCK_NONBLOCK)[0]),
+    "ptrace": call({"x86_64": 101, "aarch64": 117}[os.uname().machine], 2, 0x7FFFFFFF, 0, 0),  # PEEKDATA, no such pid
+    "pidfd_getfd": call(438, 0, 0, 0),
     "io_uring": call(425, 4, ctypes.create_string_buffer(120)),
 }
 if os.uname().machine == "x86_64":  # the x32 numbering of socket(), which a filter must not miss
@@ -54,7 +59,9 @@ def test_a_filtered_process_cannot_make_a_unix_socket_but_keeps_pairs_and_networ
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout)
     assert found["unix"] == found["unix_datagram"] == errno.errorcode[errno.EACCES]
-    assert found["inet"] == found["pair"] == "ok"
+    assert found["inet"] == found["pair"] == found["seqpacket_pair"] == "ok"
+    assert found["datagram_pair"] == found["raw_pair"] == errno.errorcode[errno.EACCES]
+    assert found["ptrace"] == found["pidfd_getfd"] == errno.errorcode[errno.EACCES]
     assert found["io_uring"] == errno.errorcode[errno.EACCES]
     if platform.machine() == "x86_64":
         assert found["x32_socket"] == errno.errorcode[errno.EACCES]
@@ -68,4 +75,6 @@ def test_the_filter_holds_for_what_the_command_starts_and_ordinary_commands_run(
 
 def test_an_unfiltered_process_is_unchanged():
     proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=60)
-    assert json.loads(proc.stdout)["unix"] == "ok"
+    found = json.loads(proc.stdout)
+    assert found["unix"] == found["datagram_pair"] == "ok"
+    assert found["ptrace"] == errno.errorcode[errno.ESRCH]
