@@ -302,7 +302,7 @@ class BatchRunner:
         from runner.storage.journal import record_journaled_spend
 
         # what the rows in flight spent when an earlier invocation's runner was killed
-        record_journaled_spend(self.run_dir, store, skip_run_id=config.tools.run_id, log=self.log)
+        record_journaled_spend(self.run_dir, store, skip_run_id=config.tools.run_id, units=units, log=self.log)
         done = sum(1 for key in units if store.is_committed(key))
         remaining = len(units) - done
         if self.resume or done:
@@ -321,7 +321,8 @@ class BatchRunner:
             print("✅ All prompts have already been processed; rebuilding the merged outputs.")
         self._phase = "finishing"
         executor.shutdown()  # nothing is in flight now: the workers are not needed for the merge
-        record_journaled_spend(self.run_dir, store, own_run_id=config.tools.run_id, log=self.log)  # retired
+        record_journaled_spend(self.run_dir, store, own_run_id=config.tools.run_id, units=units,
+                               log=self.log)  # retired
         store.close()
 
         print("\n📦 Combining all batch files into trajectories.jsonl...")

@@ -23,13 +23,15 @@ def report_only(output_dir: Any, run_name: Any, report_samples: Any, **selection
     (--keep_no_reasoning, --keep) given here replaces the run's for this rebuild."""
     from runner.input.config import ReportOptions
     from runner.output.finalize import RebuildError, rebuild_outputs
+    from runner.output.statistics import dataset_of
     from runner.storage.journal import record_journaled_spend_of_run
 
     options = validated(ReportOptions, output_dir=output_dir, run_name=run_name or "", report_samples=report_samples,
                         **selection)
     run_dir = _existing_run(options)
     with _locked(run_dir), _as_usage_error(RebuildError):  # a live run rewrites these files itself when it ends
-        record_journaled_spend_of_run(run_dir)  # what a killed runner's rows in flight spent
+        # what a killed runner's rows in flight spent (of the dataset's rows only)
+        record_journaled_spend_of_run(run_dir, lambda config: dataset_of(config)[0])
         path = rebuild_outputs(run_dir, max_full_conversations=options.report_samples,
                                selection=options.model_dump(include={"keep_no_reasoning", "keep"}, exclude_none=True))
     print(f"📄 Report written to {path} (statistics.json and trajectories.jsonl rebuilt with it)")

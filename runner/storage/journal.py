@@ -36,11 +36,12 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import orjson
 
@@ -141,15 +142,50 @@ class JournaledAttempt:
     run_id: str
     model: str
     start: dict
+    path: Path
     usage: dict = field(default_factory=dict)
     last: float = 0.0  # wall time of its last usage line
 
 
 def journals(run_dir: Path) -> list[Path]:
+    """The journal files of the run directory: regular files only (a directory, FIFO or symlink
+    under a journal's name is none of the workers' and is never opened)."""
+    return [p for p in _named_journals(run_dir) if _is_regular(p)]
+
+
+def _named_journals(run_dir: Path) -> list[Path]:
     try:
         return sorted((p for p in run_dir.iterdir() if JOURNAL_NAME.match(p.name)), key=_order)
     except FileNotFoundError:
         return []
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def _open_regular(path: Path) -> int | None:
+    """A read-only descriptor of the journal, None when it is gone or is not a regular file: it is
+    opened without blocking (a FIFO put there since the listing) nor following a symlink."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    return None
+
+
+def _read_regular(path: Path) -> bytes | None:
+    fd = _open_regular(path)
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read()
 
 
 def _order(path: Path) -> tuple[str, int, int]:
@@ -160,9 +196,8 @@ def _order(path: Path) -> tuple[str, int, int]:
 def _wait_unlocked(path: Path, timeout: float) -> bool:
     """Wait until no live process holds the file's lock (its worker exited); False on timeout,
     True too when the file is gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    fd = _open_regular(path)
+    if fd is None:
         return True
     try:
         deadline = time.monotonic() + timeout
@@ -195,42 +230,92 @@ def settled_journals(run_dir: Path, skip_run_id: str | None, log: Callable[[str]
                 log(f"⚠️  {path.name}: its worker process is still alive; its spend is recorded by a later invocation")
 
 
-def read_journals(paths: list[Path]) -> dict[tuple[str, str, int], JournaledAttempt]:
-    """(run id, row key, attempt) -> what the attempt spent as last journaled."""
+def read_journals(paths: list[Path], log: Callable[[str], None] = print) -> dict[tuple[str, str, int], JournaledAttempt]:
+    """(run id, row key, attempt) -> what the attempt spent as last journaled. A line that is not
+    well-formed (a foreign or damaged file) is skipped, with one warning a file."""
     attempts: dict[tuple[str, str, int], JournaledAttempt] = {}
     for path in paths:
-        run_id, model, starts = "", "", {}
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            continue
-        for raw in data.split(b"\n")[:-1]:  # an unterminated tail is not a line
-            try:
-                line = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                continue
-            if "journal" in line:
-                run_id, model = str(line.get("run_id") or ""), str(line.get("model") or "")
-            elif "start" in line:
-                starts[line["start"]["key"]] = line["start"]
-            elif "k" in line and line["k"] in starts:
-                key = (run_id, line["k"], line["a"])
-                attempt = attempts.get(key)
-                if attempt is None:
-                    attempt = attempts[key] = JournaledAttempt(run_id, model, starts[line["k"]])
-                attempt.usage, attempt.last = line["u"], float(line["t"])
+        data = _read_regular(path)
+        if data is not None:
+            _read_journal(path, data, attempts, log)
     return attempts
+
+
+def _read_journal(path: Path, data: bytes, attempts: dict, log: Callable[[str], None]) -> None:
+    header: dict | None = None
+    starts: dict[str, dict] = {}
+    bad: list[int] = []
+    for number, raw in enumerate(data.split(b"\n")[:-1], 1):  # an unterminated tail is not a line
+        line = _parsed(raw)
+        if _is_header(line):
+            header = line
+        elif header is not None and _is_start(line):
+            starts[line["start"]["key"]] = line["start"]
+        elif header is not None and _is_usage(line):
+            if line["k"] not in starts:
+                continue  # its start line went with an older generation: that attempt finished long ago
+            run_id, model = str(header["run_id"]), str(header.get("model") or "")
+            key = (run_id, line["k"], line["a"])
+            attempt = attempts.get(key)
+            if attempt is None:
+                attempt = attempts[key] = JournaledAttempt(run_id, model, starts[line["k"]], path)
+            attempt.usage, attempt.last = line["u"], float(line["t"])
+        else:
+            bad.append(number)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        log(f"⚠️  {path}: line {bad[0]}{more} is not a well-formed journal line; skipped")
+
+
+def _parsed(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_header(line: Any) -> bool:
+    return isinstance(line, dict) and "journal" in line and isinstance(line.get("run_id"), str) \
+        and isinstance(line.get("model", ""), str)
+
+
+# The fields of a start line a record is made of, besides key, index and attempt: absent or numbers.
+START_NUMBERS = ("seed", "sample", "samples", "sample_seed", "t")
+
+
+def _is_start(line: Any) -> bool:
+    start = line.get("start") if isinstance(line, dict) else None
+    return isinstance(start, dict) and isinstance(start.get("key"), str) and _is_int(start.get("index")) \
+        and _is_int(start.get("attempt")) and all(start.get(name) is None or _is_number(start[name])
+                                                   for name in START_NUMBERS)
+
+
+def _is_usage(line: Any) -> bool:
+    return isinstance(line, dict) and isinstance(line.get("k"), str) and _is_int(line.get("a")) \
+        and _is_number(line.get("t")) and isinstance(line.get("u"), dict)
 
 
 def first_times(paths: list[Path]) -> float | None:
     """The earliest header time of these journals (when their first line was written)."""
     times = []
     for path in paths:
-        try:
-            with open(path, "rb") as handle:
-                times.append(float(orjson.loads(handle.readline())["t"]))
-        except (OSError, ValueError, KeyError, TypeError):
+        fd = _open_regular(path)
+        if fd is None:
             return 0.0  # unknown: every batch file is read
+        with os.fdopen(fd, "rb") as handle:
+            first = handle.readline()
+        try:
+            times.append(float(orjson.loads(first)["t"]))
+        except (ValueError, KeyError, TypeError, IndexError):
+            return 0.0
     return min(times) if times else None
 
 
@@ -262,7 +347,7 @@ def _number(value: Any) -> int:
 
 
 def record_journaled_spend(run_dir: Path, store, *, skip_run_id: str | None = None, own_run_id: str | None = None,
-                           log=print) -> int:
+                           units: Mapping[str, int] | None = None, log=print) -> int:
     """Commit, through `store` (loaded, under the run lock), a failed record of class
     `interrupted` for each journaled attempt that spent something and that no committed line
     covers, then delete the journals read. Returns the records committed. Idempotent: a run killed
@@ -271,11 +356,15 @@ def record_journaled_spend(run_dir: Path, store, *, skip_run_id: str | None = No
     `skip_run_id`: an invocation whose journals are left alone (the one now starting). The
     journals of `own_run_id` (the invocation now ending, its workers stopped) are checked against
     the store's view instead of the files: that invocation ran each row once, and the store has
-    seen every line it committed."""
+    seen every line it committed. `units`: the dataset's sample keys; an attempt of a row that is
+    not one of them is not recorded (with a warning)."""
+    _warn_not_regular(run_dir, log)
     paths = settled_journals(run_dir, skip_run_id, log)
     if not paths:
         return 0
-    attempts = read_journals(paths)
+    attempts = read_journals(paths, log)
+    if units is not None:
+        attempts = _of_dataset(attempts, units, log)
     others = {run_id for run_id, _, _ in attempts if run_id != own_run_id}
     found = covered_attempts(run_dir, others, first_times([p for p in paths if _order(p)[0] != own_run_id])) \
         if others else set()
@@ -287,7 +376,7 @@ def record_journaled_spend(run_dir: Path, store, *, skip_run_id: str | None = No
         return entry is not None and (entry.committed or entry.failures >= attempt)
 
     records = [_record(attempt) for key, attempt in sorted(attempts.items())
-               if attempt.usage.get("requests") and not covered(*key)]
+               if _spent(attempt.usage) and not covered(*key)]
     store.commit(records)
     for path in paths:
         path.unlink(missing_ok=True)
@@ -296,6 +385,27 @@ def record_journaled_spend(run_dir: Path, store, *, skip_run_id: str | None = No
         log(f"🧾 Recorded from the workers' journals what {len(records)} row(s) in flight had spent that no "
             f"committed line held ({requests} request(s))")
     return len(records)
+
+
+def _warn_not_regular(run_dir: Path, log: Callable[[str], None]) -> None:
+    for path in _named_journals(run_dir):
+        if not _is_regular(path):
+            log(f"⚠️  {path}: not a regular file, so not a worker's journal; skipped")
+
+
+def _of_dataset(attempts: dict, units: Mapping[str, int], log: Callable[[str], None]) -> dict:
+    kept = {}
+    for key, attempt in attempts.items():
+        if key[1] in units:
+            kept[key] = attempt
+        else:
+            log(f"⚠️  {attempt.path}: row key {key[1]!r} is not in the dataset; its journaled spend is not recorded")
+    return kept
+
+
+def _spent(usage: dict) -> bool:
+    requests = usage.get("requests")
+    return _is_int(requests) and requests > 0
 
 
 def _record(attempt: JournaledAttempt) -> dict:
@@ -317,10 +427,13 @@ def _record(attempt: JournaledAttempt) -> dict:
                                       "worker's journal", prompt=str(start.get("prompt") or ""), metadata=metadata))
 
 
-def record_journaled_spend_of_run(run_dir: Path, log=print) -> int:
+def record_journaled_spend_of_run(run_dir: Path, dataset_units: Callable[[dict], Mapping[str, int] | None],
+                                  log=print) -> int:
     """`record_journaled_spend` for a command that runs no prompt (--report): the run's store is
-    opened only when there is a journal to record. The caller holds the run lock."""
-    if not journals(run_dir):
+    opened only when there is a journal to record. `dataset_units(config)`: the sample keys of the
+    dataset config.json names, None when it cannot be read (then nothing is recorded: the journals
+    wait for an invocation that can tell the dataset's rows). The caller holds the run lock."""
+    if not _named_journals(run_dir):
         return 0
     from runner.storage.runfiles import read_config
     from runner.storage.runview import Selection
@@ -328,12 +441,15 @@ def record_journaled_spend_of_run(run_dir: Path, log=print) -> int:
 
     saved = read_config(run_dir)
     config = saved.config if saved is not None else {}
+    units = dataset_units(config)
+    if units is None:
+        return 0
     batch_size = config.get("batch_size")
     store = RunStore(run_dir, str(config.get("run_name") or run_dir.name),
                      batch_size if isinstance(batch_size, int) and batch_size > 0 else 1, Selection.of(config))
     store.repair_torn_tails(log)
     store.load(log)
     try:
-        return record_journaled_spend(run_dir, store, log=log)
+        return record_journaled_spend(run_dir, store, units=units, log=log)
     finally:
         store.close()

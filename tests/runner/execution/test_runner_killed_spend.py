@@ -165,3 +165,31 @@ def test_overwrite_after_a_kill_before_any_row_was_committed_removes_the_old_jou
 def test_overwrite_after_a_kill_with_rows_committed_removes_the_old_journals(tmp_path, model_server):
     fresh, sent = _overwrite_after_a_kill(tmp_path, model_server, after_requests=40)
     _assert_only_the_new_run(tmp_path, fresh, sent)
+
+
+def _plant_malformed_journals(run_dir: Path) -> None:
+    header = json.dumps({"journal": 1, "run_id": "zz", "model": "m", "t": time.time()})
+    (run_dir / ".spend_zz_1_0.journal").write_text(f"{header}\n5\n" + '{"start": {"key": "x"}}\n')
+    (run_dir / ".spend_zz_2_0.journal").mkdir()
+    os.mkfifo(run_dir / ".spend_zz_3_0.journal")
+    start = {"key": "no such row", "index": 0, "id": "", "attempt": 1, "prompt": "a row of another dataset"}
+    usage = {"requests": 5, "cost": 0.5, "unpriced_requests": 0, "by_model": [], "pending": 0}
+    (run_dir / ".spend_zz_4_0.journal").write_text(
+        f"{header}\n{json.dumps({'start': start})}\n{json.dumps({'k': 'no such row', 'a': 1, 't': 1.0, 'u': usage})}\n")
+
+
+def test_malformed_journals_never_stop_a_report_or_a_resume(tmp_path, model_server):
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"@cost {COST}\nRow {i}."} for i in range(2)])
+    first = _cli(tmp_path, model_server)
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_dir = tmp_path / "data" / "r"
+    for command in (_report, lambda path: _cli(path, model_server, "--resume")):
+        _plant_malformed_journals(run_dir)
+        done = command(tmp_path)
+        said = done.stdout + done.stderr
+        assert done.returncode == 0 and "Traceback" not in said and "Fatal error" not in said, said
+        assert ".spend_zz_1_0.journal: line 2 (and 1 more) is not a well-formed journal line" in said, said
+        assert ".spend_zz_3_0.journal: not a regular file" in said and "'no such row' is not in the dataset" in said
+        assert _recorded_requests(tmp_path) == model_server.count() == 2  # nothing of the foreign row counted
+        (run_dir / ".spend_zz_2_0.journal").rmdir()
+        (run_dir / ".spend_zz_3_0.journal").unlink()

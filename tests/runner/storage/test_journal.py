@@ -95,3 +95,60 @@ def test_the_journals_of_the_invocation_now_ending_are_checked_against_what_it_c
     assert record_journaled_spend(tmp_path, store, own_run_id="run1", log=print) == 1
     lines = [line for path in batch_files(tmp_path) for line in read_jsonl(path)]
     assert sorted(line["metadata"]["row_key"] for line in lines) == ["k0", "k1"] and journals(tmp_path) == []
+
+
+def _closed_journal(tmp_path: Path, run_id: str = "run1") -> SpendJournal:
+    writer = SpendJournal(tmp_path, run_id, "m")
+    writer.note(_task("k0"), _usage(2))
+    for _, fd in writer.files:  # the worker exits
+        journal_module.os.close(fd)
+    return writer
+
+
+def _loaded_store(tmp_path: Path) -> RunStore:
+    store = RunStore(tmp_path, "r", batch_size=10)
+    store.load(print)
+    return store
+
+
+def _recorded_keys(tmp_path: Path) -> list[str]:
+    return sorted(line["metadata"]["row_key"] for path in batch_files(tmp_path) for line in read_jsonl(path))
+
+
+def test_lines_that_are_not_well_formed_are_skipped_with_one_warning_naming_the_file_and_line(tmp_path):
+    writer = _closed_journal(tmp_path)
+    path = writer.files[0][0]
+    bad = [b"5", b"[1, 2]", b"not json", b'{"start": {"key": "k5", "id": ""}}',  # no index nor attempt
+           b'{"start": {"key": "k6", "index": 6, "attempt": 1, "seed": "x"}}', b'{"k": "k0", "a": 1}',
+           b'{"k": ["k0"], "a": 1, "t": 1.0, "u": {"requests": 9}}', b'{"k": "k5", "a": 1, "t": 1.0, "u": 7}',
+           b'{"other": 1}']
+    with open(path, "ab") as handle:
+        handle.write(b"\n".join(bad) + b"\n")
+    said = []
+    assert record_journaled_spend(tmp_path, _loaded_store(tmp_path), log=said.append) == 1
+    assert _recorded_keys(tmp_path) == ["k0"]  # the well-formed attempt is still recorded, with its usage
+    warnings = [line for line in said if "line" in line and path.name in line]
+    assert len(warnings) == 1 and "line 4" in warnings[0], said  # the header, start and usage lines come first
+    assert journals(tmp_path) == []  # retired like any other: it never blocks a later invocation
+
+
+def test_what_is_not_a_regular_file_is_skipped_never_read(tmp_path):
+    import os
+
+    (tmp_path / ".spend_zz_1_0.journal").mkdir()
+    os.mkfifo(tmp_path / ".spend_zz_2_0.journal")  # a plain open() of a FIFO blocks until a writer comes
+    (tmp_path / ".spend_zz_3_0.journal").symlink_to(tmp_path / "elsewhere")
+    _closed_journal(tmp_path)
+    said = []
+    assert record_journaled_spend(tmp_path, _loaded_store(tmp_path), log=said.append) == 1
+    assert _recorded_keys(tmp_path) == ["k0"]
+    assert (tmp_path / ".spend_zz_1_0.journal").is_dir() and (tmp_path / ".spend_zz_2_0.journal").exists()
+
+
+def test_an_attempt_of_a_row_not_in_the_dataset_is_not_recorded(tmp_path):
+    writer = _closed_journal(tmp_path)
+    said = []
+    store = _loaded_store(tmp_path)
+    assert record_journaled_spend(tmp_path, store, units={"k1": 1}, log=said.append) == 0
+    assert _recorded_keys(tmp_path) == [] and journals(tmp_path) == []
+    assert any("k0" in line and "not in the dataset" in line and writer.files[0][0].name in line for line in said), said
