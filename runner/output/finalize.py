@@ -19,7 +19,7 @@ from typing import Any
 from runner.console import plural
 from runner.output.report import report_details, write_report
 from runner.output.statistics import build_statistics, dataset_of, run_time, statistics_of, tool_statistics  # noqa: F401
-from runner.output.status import THROUGHPUT_DEFINITION, rows_per_minute, throughput_text
+from runner.output.status import THROUGHPUT_DEFINITION, rows_per_minute, settle_status, throughput_text
 from runner.storage import runfiles
 from runner.storage.atomic import atomic_write_lines
 from runner.storage.records import relocated_line
@@ -87,6 +87,7 @@ def rebuild_outputs(run_dir: Path, *, max_full_conversations: int, log=print, se
         raise RebuildError(f"--keep={chosen.keep} selects samples by their score, and the run has no --scorer")
     view = merge_run(run_dir, dataset, log, ids=ids, detail=report_details(), selection=chosen)
     stats = write_statistics(run_dir, statistics_of(run_dir, view))
+    settle_status(run_dir, view, stats, config, log)  # a killed runner's "running" status agrees with it
     return write_report(run_dir, max_full_conversations=max_full_conversations, view=view, statistics=stats, log=log)
 
 

@@ -28,7 +28,7 @@ from agent.usage import Spend, Usage
 from runner.console import plural
 from runner.storage.runview import Selection, quality_outcome
 from runner.storage.records import fields_of
-from runner.storage.runfiles import append_status_history, write_status
+from runner.storage.runfiles import append_status_history, read_status, write_status
 
 STATUS_VERSION = 1
 # A forecast (rate, ETA, spend to come) from fewer finished rows is mostly the first rows' start-up:
@@ -457,3 +457,39 @@ class RunMonitor:
         except OSError as err:
             self.log(f"⚠️  Could not append to status_history.jsonl: {err}")
         return snapshot
+
+
+def settle_status(run_dir: Path, view, stats: dict, config: dict, log=print) -> None:
+    """After a command that runs no prompt rebuilt statistics.json (--report, --rescore; under the
+    run lock, so no runner is alive): a status.json that still says `running` was left by a runner
+    that was killed, and one whose request count differs missed what its workers' journals held.
+    Either is rewritten the way an invocation's end writes it, from the run's committed lines as
+    statistics.json counts them: state `interrupted` for the killed one (an ended state is kept),
+    no rows in flight, and nothing spent by this invocation."""
+    saved = read_status(run_dir)
+    requests = view.total_spend().usage.requests
+    if saved is None or (saved.state != "running" and saved.spend.get("requests") == requests):
+        return
+    dataset = view.dataset if view.dataset is not None else {}
+    max_cost = config.get("max_cost")
+    max_cost = float(max_cost) if isinstance(max_cost, (int, float)) and not isinstance(max_cost, bool) else None
+    spend = LiveSpend(scope="invocation" if config.get("max_cost_scope") == "invocation" else "run",
+                      estimate_unknown=max_cost is not None, prices_given=config.get("prices") is not None,
+                      before=view.total_spend())
+    elapsed = saved.data.get("elapsed_seconds")
+    elapsed = float(elapsed) if isinstance(elapsed, (int, float)) and not isinstance(elapsed, bool) else 0.0
+    monitor = RunMonitor(run_dir, str(saved.data.get("run_name") or run_dir.name), total_rows=len(dataset),
+                         finished_before=sum(1 for key in dataset if view.is_committed(key)),
+                         kept_before=stats["outcomes"]["ok"], to_run=0, spend=spend, budget_limit=max_cost, log=log,
+                         t0=time.monotonic() - max(0.0, elapsed))
+    started = _parsed_time(saved.started_at)
+    if started is not None:  # the killed invocation's start, as its own status said
+        monitor.started_at = started
+    monitor.write_status("interrupted" if saved.state in (None, "running") else saved.state)
+
+
+def _parsed_time(text: str | None) -> datetime | None:
+    try:
+        return datetime.fromisoformat(text) if text else None
+    except ValueError:
+        return None

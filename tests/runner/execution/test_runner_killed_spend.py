@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.conftest import REPO, write_jsonl
 
@@ -193,3 +194,21 @@ def test_malformed_journals_never_stop_a_report_or_a_resume(tmp_path, model_serv
         assert _recorded_requests(tmp_path) == model_server.count() == 2  # nothing of the foreign row counted
         (run_dir / ".spend_zz_2_0.journal").rmdir()
         (run_dir / ".spend_zz_3_0.journal").unlink()
+
+
+def test_a_report_after_the_runner_was_killed_rewrites_status_json_to_agree_with_statistics_json(tmp_path, model_server):
+    write_jsonl(tmp_path / "d.jsonl", _rows(16))
+    proc = _start(tmp_path, model_server)
+    _kill_runner_only(proc, model_server, after_requests=40)  # some rows committed, others in flight
+    run_dir = tmp_path / "data" / "r"
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "running"  # as the dead runner left it
+    report = _report(tmp_path)
+    assert report.returncode == 0, report.stdout + report.stderr
+    status = json.loads((run_dir / "status.json").read_text())
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert status["state"] == "interrupted" and status["pid"] != proc.pid and status["eta_seconds"] is None
+    assert status["spend"]["requests"] == stats["spend"]["all"]["requests"] == model_server.count()
+    outcomes = stats["outcomes"]
+    assert status["rows"]["total"] == stats["total_prompts"] == 16 and status["rows"]["in_flight"] == 0
+    assert status["rows"]["kept"] == outcomes["ok"] and status["rows"]["remaining"] == outcomes["failed"] + outcomes["not_run"]
+    assert status["spend"]["known_usd"] == pytest.approx(stats["spend"]["all"]["known_cost"])
