@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,16 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def wait_for(condition, timeout: float, step: float = 0.05) -> bool:
+    """Poll `condition()` until it is true or `timeout` seconds have passed; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(step)
+    return condition()
 
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None,

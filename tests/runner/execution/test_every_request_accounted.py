@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, read_jsonl, write_jsonl
+from tests.conftest import REPO, read_jsonl, wait_for, write_jsonl
 
 COST = 0.01  # what each scripted reply says it cost
 
@@ -32,15 +32,6 @@ def _start(tmp_path: Path, server, rows: list[dict], *extra: str) -> subprocess.
             "--model=m", "--api_key=x", "--price_input_per_mtok=1", "--price_output_per_mtok=1", *extra]
     return subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
-
-
-def _wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
@@ -72,7 +63,7 @@ def test_rows_abandoned_when_the_grace_period_ends_are_counted(tmp_path, model_s
     rows = [{"prompt": f"@cost {COST}\n@hang\nNever answered {i}."} for i in range(4)]
     proc = _start(tmp_path, model_server, rows, "--num_workers=4", "--grace_period=1")
     try:
-        assert _wait_for(lambda: model_server.count() == 4, 60), model_server.count()
+        assert wait_for(lambda: model_server.count() == 4, 60), model_server.count()
         proc.send_signal(signal.SIGINT)
         out, err = _finish(proc)
     finally:
@@ -92,7 +83,7 @@ def test_rows_of_a_worker_killed_mid_row_are_counted(tmp_path, model_server):
     proc = _start(tmp_path, model_server, rows, "--num_workers=2", "--num_processes=1")
     try:
         # both rows had an answer and have sent their next request: the worker dies under them
-        assert _wait_for(lambda: all(len(model_server.requests_for(f"Slow row {i}.")) >= 2 for i in range(2)), 60)
+        assert wait_for(lambda: all(len(model_server.requests_for(f"Slow row {i}.")) >= 2 for i in range(2)), 60)
         for worker in _workers(proc.pid):
             worker.kill()
         out, err = _finish(proc)
@@ -177,7 +168,7 @@ def test_a_second_interrupt_quits_at_once_and_records_the_requests_already_sent(
     rows = [{"prompt": f"@cost {COST}\n@latency 1\n{tools}Quit {i}."} for i in range(10)]
     proc = _start(tmp_path, model_server, rows, "--num_workers=4", "--num_processes=2")
     try:
-        assert _wait_for(lambda: model_server.count() >= 9, 60), model_server.count()
+        assert wait_for(lambda: model_server.count() >= 9, 60), model_server.count()
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(1)
         os.killpg(proc.pid, signal.SIGINT)

@@ -14,12 +14,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, read_jsonl, write_jsonl
+from tests.conftest import REPO, read_jsonl, wait_for, write_jsonl
 
 LATENCY = 1.5  # seconds per model reply: rows are in flight when the signal comes
 
@@ -44,15 +43,6 @@ def _committed(run_dir: Path) -> list[dict]:
     for path in sorted(glob.glob(str(run_dir / "batch_*.jsonl"))):
         lines += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return lines
-
-
-def _wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def _started_rows(server) -> set[str]:
@@ -98,7 +88,7 @@ def test_kill_term_to_the_process_group_stops_the_run_gracefully(tmp_path, model
     proc = subprocess.Popen(_command(dataset, model_server), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        assert _wait_for(lambda: len(_started_rows(model_server)) >= 3, 90), "no row started"
+        assert wait_for(lambda: len(_started_rows(model_server)) >= 3, 90), "no row started"
         os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as systemd or Slurm would
         _, err = proc.communicate(timeout=120)
     finally:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.conftest import REPO, read_jsonl, write_jsonl
+from tests.conftest import REPO, read_jsonl, wait_for, write_jsonl
 
 
 def _start(dataset: Path, server, cwd: Path, *extra: str, run_name: str = "p", env: dict | None = None) -> subprocess.Popen:
@@ -27,15 +27,6 @@ def _start(dataset: Path, server, cwd: Path, *extra: str, run_name: str = "p", e
             "--model=m", "--api_key=x", *extra]
     return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, start_new_session=True)
-
-
-def _wait_for(condition, timeout: float, step: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(step)
-    return condition()
 
 
 def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
@@ -71,15 +62,15 @@ def test_sigkill_of_the_runner_alone_stops_every_process_and_request(tmp_path, m
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
     proc = _start(dataset, model_server, tmp_path, "--num_workers=15", "--num_processes=2")
     try:
-        assert _wait_for(lambda: model_server.count() >= 20, 60), proc.stderr.read() if proc.poll() is not None else ""
-        assert _wait_for(lambda: sum("sleep 60" in " ".join(p.cmdline()) for p in _alive(
+        assert wait_for(lambda: model_server.count() >= 20, 60), proc.stderr.read() if proc.poll() is not None else ""
+        assert wait_for(lambda: sum("sleep 60" in " ".join(p.cmdline()) for p in _alive(
             psutil.Process(proc.pid).children(recursive=True))) >= 3, 30)
         family = psutil.Process(proc.pid).children(recursive=True)
         assert len(family) >= 4  # fork server, 2 workers, resource tracker, commands
         os.kill(proc.pid, signal.SIGKILL)  # the runner alone, not its process group
         killed = time.time()
         proc.wait(10)
-        assert _wait_for(lambda: not _alive(family), 5.0), [
+        assert wait_for(lambda: not _alive(family), 5.0), [
             (p.pid, p.cmdline()) for p in _alive(family)]
         time.sleep(1.0)
         late = [r for r in model_server.requests if r.time > killed + 1.0]
@@ -113,11 +104,11 @@ def test_worker_killed_halfway_through_a_large_result_never_wedges_the_run(tmp_p
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
     proc = _start(dataset, model_server, tmp_path, "--num_workers=8", "--num_processes=2", "--max_turns=12")
     try:
-        assert _wait_for(lambda: len(_workers(proc.pid)) == 2, 60)
-        assert _wait_for(lambda: model_server.count() >= 1, 60)
+        assert wait_for(lambda: len(_workers(proc.pid)) == 2, 60)
+        assert wait_for(lambda: model_server.count() >= 1, 60)
         os.kill(proc.pid, signal.SIGSTOP)  # the parent reads nothing now
         finals = lambda: sum(len(model_server.requests_for(f"Large result #{i}.")) >= 11 for i in range(8))  # noqa: E731
-        assert _wait_for(lambda: finals() == 8, 120), finals()
+        assert wait_for(lambda: finals() == 8, 120), finals()
         time.sleep(1.0)  # the workers are now blocked sending their records to the stopped parent
         for victim in _workers(proc.pid):  # both: whichever is halfway through a message
             victim.kill()
@@ -162,10 +153,10 @@ def test_a_worker_that_keeps_dying_stops_the_run_like_an_interrupt(tmp_path, mod
     try:
         killed = []
         for _ in range(6):
-            if not _wait_for(lambda: [w for w in _workers(proc.pid) if w.pid not in killed], 20):
+            if not wait_for(lambda: [w for w in _workers(proc.pid) if w.pid not in killed], 20):
                 break  # no new worker: the runner stopped restarting it
             worker = next(w for w in _workers(proc.pid) if w.pid not in killed)
-            _wait_for(lambda: model_server.count() > 2 * len(killed), 20)
+            wait_for(lambda: model_server.count() > 2 * len(killed), 20)
             killed.append(worker.pid)
             worker.kill()
             time.sleep(0.3)
@@ -203,7 +194,7 @@ def test_next_start_cleans_up_what_a_killed_run_left(tmp_path, model_server):
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
     proc = _start(dataset, model_server, tmp_path, "--num_workers=4", "--command_timeout=4")
     try:
-        assert _wait_for(lambda: _processes_with(f"sleep 120 # {marker}"), 60)
+        assert wait_for(lambda: _processes_with(f"sleep 120 # {marker}"), 60)
     finally:
         _kill_group(proc)
         proc.wait(10)
@@ -245,7 +236,7 @@ def test_two_ctrl_c_during_the_merge_exit_130_without_traceback(tmp_path, model_
     proc = _start(dataset, model_server, tmp_path, "--num_workers=8", "--batch_size=40")
     run_dir = tmp_path / "data" / "p"
     try:
-        seen = _wait_for(lambda: run_dir.is_dir() and any(n.startswith(".trajectories_") for n in os.listdir(run_dir)),
+        seen = wait_for(lambda: run_dir.is_dir() and any(n.startswith(".trajectories_") for n in os.listdir(run_dir)),
                          180, step=0.001)
         assert seen, "the merge was never seen running"
         os.kill(proc.pid, signal.SIGINT)
@@ -276,14 +267,14 @@ def test_parent_cleans_up_after_a_worker_killed_mid_run(tmp_path, model_server):
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
     proc = _start(dataset, model_server, tmp_path, "--num_workers=2", "--num_processes=1")
     try:
-        assert _wait_for(lambda: _processes_with(f"sleep 120 # {marker}"), 60)
+        assert wait_for(lambda: _processes_with(f"sleep 120 # {marker}"), 60)
         sleepers = _processes_with(f"sleep 120 # {marker}")
         run_id = _run_id(tmp_path / "data" / "p")
         workdirs = list(Path(tempfile.gettempdir()).glob(f"{run_id}-p0-*"))
         assert workdirs
         _workers(proc.pid)[0].kill()
-        assert _wait_for(lambda: not _alive(sleepers), 10), "the dead worker's command still runs"
-        assert _wait_for(lambda: not [p for p in workdirs if p.exists()], 10)
+        assert wait_for(lambda: not _alive(sleepers), 10), "the dead worker's command still runs"
+        assert wait_for(lambda: not [p for p in workdirs if p.exists()], 10)
         out, err = proc.communicate(timeout=120)
     finally:
         _kill_group(proc)

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, write_jsonl
+from tests.conftest import REPO, wait_for, write_jsonl
 
 COST = 0.01  # what each scripted reply says it cost
 
@@ -44,15 +44,6 @@ def _start(tmp_path: Path, server, *extra: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
 
 
-def _wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 def _run_processes(runner_pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(runner_pid).children(recursive=True)
@@ -63,7 +54,7 @@ def _run_processes(runner_pid: int) -> list[psutil.Process]:
 def _kill_runner_only(proc: subprocess.Popen, server, *, after_requests: int) -> None:
     """SIGKILL the runner's own PID (not its group) once the endpoint received `after_requests`
     requests, then wait until every process of the run is gone (the workers stop by themselves)."""
-    assert _wait_for(lambda: server.count() >= after_requests, 90), server.count()
+    assert wait_for(lambda: server.count() >= after_requests, 90), server.count()
     children = _run_processes(proc.pid)
     assert any("forkserver" in " ".join(c.cmdline()) for c in children)
     os.kill(proc.pid, signal.SIGKILL)
