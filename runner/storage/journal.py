@@ -274,12 +274,33 @@ def _parsed(raw: bytes) -> Any:
         return None
 
 
+# What a journal line's numbers may be: a record must hold them (an int of 64 bits at most, a
+# finite float, never negative) and a time must be a date (seconds since 1970, before 2500).
+_LARGEST = 2**63 - 1
+_LATEST = 16_725_225_600.0
+
+
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _LARGEST
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= _LARGEST
+
+
+def _is_time(value: Any) -> bool:
+    return _is_number(value) and value <= _LATEST
+
+
+def _numbers_fit(value: Any) -> bool:
+    """Every number in a usage (a nested dict or list) is one a record can hold."""
+    if isinstance(value, dict):
+        return all(_numbers_fit(item) for item in value.values())
+    if isinstance(value, list):
+        return all(_numbers_fit(item) for item in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _is_number(value)
+    return True
 
 
 def _is_header(line: Any) -> bool:
@@ -288,19 +309,19 @@ def _is_header(line: Any) -> bool:
 
 
 # The fields of a start line a record is made of, besides key, index and attempt: absent or numbers.
-START_NUMBERS = ("seed", "sample", "samples", "sample_seed", "t")
+START_NUMBERS = ("seed", "sample", "samples", "sample_seed")
 
 
 def _is_start(line: Any) -> bool:
     start = line.get("start") if isinstance(line, dict) else None
     return isinstance(start, dict) and isinstance(start.get("key"), str) and _is_int(start.get("index")) \
-        and _is_int(start.get("attempt")) and all(start.get(name) is None or _is_number(start[name])
-                                                   for name in START_NUMBERS)
+        and _is_int(start.get("attempt")) and (start.get("t") is None or _is_time(start["t"])) \
+        and all(start.get(name) is None or _is_int(start[name]) for name in START_NUMBERS)
 
 
 def _is_usage(line: Any) -> bool:
     return isinstance(line, dict) and isinstance(line.get("k"), str) and _is_int(line.get("a")) \
-        and _is_number(line.get("t")) and isinstance(line.get("u"), dict)
+        and _is_time(line.get("t")) and isinstance(line.get("u"), dict) and _numbers_fit(line["u"])
 
 
 def first_times(paths: list[Path]) -> float | None:
@@ -375,8 +396,8 @@ def record_journaled_spend(run_dir: Path, store, *, skip_run_id: str | None = No
         entry = store.view.entry(key)
         return entry is not None and (entry.committed or entry.failures >= attempt)
 
-    records = [_record(attempt) for key, attempt in sorted(attempts.items())
-               if _spent(attempt.usage) and not covered(*key)]
+    records = [record for key, attempt in sorted(attempts.items())
+               if _spent(attempt.usage) and not covered(*key) and (record := _readable_record(attempt, log))]
     store.commit(records)
     for path in paths:
         path.unlink(missing_ok=True)
@@ -406,6 +427,22 @@ def _of_dataset(attempts: dict, units: Mapping[str, int], log: Callable[[str], N
 def _spent(usage: dict) -> bool:
     requests = usage.get("requests")
     return _is_int(requests) and requests > 0
+
+
+def _readable_record(attempt: JournaledAttempt, log: Callable[[str], None]) -> dict | None:
+    """The attempt's record, if it reads back as a committed line does (a line the store could
+    write but never read again would stop every later invocation of the run)."""
+    from runner.storage.records import read_line
+
+    try:
+        record = _record(attempt)
+        if read_line(orjson.dumps(record)) is None:
+            raise ValueError("not a record")
+        return record
+    except (ValueError, TypeError, OverflowError) as err:
+        log(f"⚠️  {attempt.path}: the attempt of row key {attempt.start.get('key')!r} makes no valid record "
+            f"({type(err).__name__}); skipped")
+        return None
 
 
 def _record(attempt: JournaledAttempt) -> dict:

@@ -455,13 +455,16 @@ def clear_set_id_bits(top: str) -> None:
     """Remove the setuid and setgid bits of every file and folder under `top` (not following
     symlinks): a setgid folder would hand its group to whatever is later made in it. A folder the
     commands closed to its owner (mode 000, say) is opened to it first (u+rwx), or a runner that is
-    not root could not see what is inside."""
+    not root could not see what is inside. Every call is relative to its folder's descriptor
+    (os.fwalk), so a tree nested deeper than a path can name (PATH_MAX) is cleared all the same.
+    Called once the session's processes are gone: nothing swaps an entry for a symlink meanwhile."""
     me = os.geteuid()
-    for folder, dirs, files in os.walk(top):  # top-down: a folder is opened before it is entered
+    if not os.path.isdir(top):  # (os.fwalk raises for a missing top, os.walk did not)
+        return
+    for _folder, dirs, files, folder_fd in os.fwalk(top):  # top-down: opened before it is entered
         for name in dirs + files:
-            path = os.path.join(folder, name)
             try:
-                info = os.lstat(path)
+                info = os.lstat(name, dir_fd=folder_fd)
                 mode = stat.S_IMODE(info.st_mode)
                 if stat.S_ISDIR(info.st_mode) and info.st_uid == me and mode & stat.S_IRWXU != stat.S_IRWXU:
                     mode |= stat.S_IRWXU
@@ -469,7 +472,7 @@ def clear_set_id_bits(top: str) -> None:
                     continue
                 cleared = mode & ~(stat.S_ISUID | stat.S_ISGID)
                 if cleared != stat.S_IMODE(info.st_mode):
-                    os.chmod(path, cleared)
+                    os.chmod(name, cleared, dir_fd=folder_fd)
             except OSError:
                 pass
 

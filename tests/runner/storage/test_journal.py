@@ -152,3 +152,26 @@ def test_an_attempt_of_a_row_not_in_the_dataset_is_not_recorded(tmp_path):
     assert record_journaled_spend(tmp_path, store, units={"k1": 1}, log=said.append) == 0
     assert _recorded_keys(tmp_path) == [] and journals(tmp_path) == []
     assert any("k0" in line and "not in the dataset" in line and writer.files[0][0].name in line for line in said), said
+
+
+def test_numbers_no_record_can_hold_are_skipped_and_nothing_unreadable_is_committed(tmp_path):
+    writer = _closed_journal(tmp_path)
+    path = writer.files[0][0]
+    start = '{"start": {"key": "k%d", "index": %d, "attempt": 1, "t": %s}}'
+    usage = '{"k": "k%d", "a": 1, "t": 1.0, "u": %s}'
+    bad = [(1, "1.0", '{"requests": 1, "prompt_tokens": 1e300}'),
+           (2, "1.0", '{"requests": 18446744073709551615}'),
+           (3, "1.0", '{"requests": 1, "by_model": [{"model": "m", "prompt_tokens": 1e300}]}'),
+           (4, "-1e300", '{"requests": 1}'),
+           (5, "1.0", '{"requests": 1, "cost": -5}')]
+    with open(path, "ab") as handle:
+        for n, t, u in bad:
+            handle.write((start % (n, n, t) + "\n" + usage % (n, u) + "\n").encode())
+    said = []
+    store = _loaded_store(tmp_path)
+    assert record_journaled_spend(tmp_path, store, log=said.append) == 1
+    assert _recorded_keys(tmp_path) == ["k0"]
+    assert any(path.name in line and "skipped" in line for line in said), said
+    reread = RunStore(tmp_path, "r", batch_size=10)
+    reread.load(print)  # what was committed reads back
+    assert reread.view.entry("k0") is not None

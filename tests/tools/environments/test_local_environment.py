@@ -315,3 +315,29 @@ def test_kept_workdirs_of_a_killed_worker_are_cleared_of_set_id_bits(tmp_path):
     LocalEnvironment.clean_task_leftovers(settings, [task], log=print)
     assert planted.exists() and not planted.stat().st_mode & stat.S_ISUID
     assert untouched.stat().st_mode & stat.S_ISUID  # another task's folder is not this clean-up's
+
+
+def test_set_id_bits_are_cleared_deeper_than_a_path_can_name(tmp_path):
+    # A command can nest folders until their full path is longer than PATH_MAX (4,096 bytes):
+    # operations on full paths then fail with ENAMETOOLONG, which must not leave a setuid file.
+    from tools.environments.local import clear_set_id_bits
+
+    name = "d" * 250
+    fds = [os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)]
+    for _ in range(20):
+        os.mkdir(name, dir_fd=fds[-1])
+        fds.append(os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+    planted = os.open("sh", os.O_WRONLY | os.O_CREAT, 0o755, dir_fd=fds[-1])
+    os.fchmod(planted, 0o6755)
+    os.close(planted)
+    os.mkdir("shared", dir_fd=fds[-1])
+    os.chmod("shared", 0o2777, dir_fd=fds[-1])
+    try:
+        clear_set_id_bits(str(tmp_path))
+        for leaf in ("sh", "shared"):
+            mode = os.stat(leaf, dir_fd=fds[-1]).st_mode
+            assert not mode & (stat.S_ISUID | stat.S_ISGID), (leaf, oct(mode))
+    finally:
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(tmp_path, ignore_errors=True)
