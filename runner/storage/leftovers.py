@@ -34,7 +34,8 @@ def clean_run_leftovers(run_dir: Path, log=print) -> None:
     The lock says no other runner works on this run directory, so the previous invocation (named
     in config.json) is dead, and so is everything it left: its temp files in the run directory, its
     commands and, unless it kept them on purpose (--keep_workdirs), its working directories (kept
-    sandbox workdirs are cleared of setuid and setgid bits). Containers of dead owners are reaped before any image is prepared (tools.environments.images).
+    sandbox workdirs are cleared of setuid and setgid bits). Containers of dead owners are reaped
+    before any image is prepared (tools.environments.images).
     """
     try:
         removed = remove_runner_temp_files(run_dir)
