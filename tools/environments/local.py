@@ -176,7 +176,8 @@ class LocalEnvironment(Backend):
         filter_fd = _filter_for_bwrap()
         bwrap_args = [
             "--info-fd", str(info_w), "--seccomp", str(filter_fd),
-            "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent",
+            "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+            "--hostname", "sandbox", "--die-with-parent",
             *_system_mounts(), *dev, "--proc", "/proc", *read_only_proc, *covered,
             "--perms", "1777", "--tmpfs", "/tmp", "--dir", "/var", "--perms", "1777", "--tmpfs", "/var/tmp",
             "--dir", "/run", *_hide_host_folders_above(top), *_folders_leading_to(top), "--bind", top, top,
