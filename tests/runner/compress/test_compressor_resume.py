@@ -9,12 +9,11 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SECRET_KEY, read_jsonl, write_jsonl
+from tests.conftest import REPO, SECRET_KEY, read_jsonl, wait_for, write_jsonl
 from tests.helpers.compress_fixtures import trajectory, write_tokenizer
 from tests.helpers.model_server import ModelServer, Reply, chat_completion
 
@@ -60,9 +59,7 @@ def work(tmp_path):
 def test_an_interrupted_compression_resumes_without_paying_twice(work, how):
     with ModelServer(policy=slow_summaries) as server:
         process = start(work, server)
-        deadline = time.monotonic() + 60
-        while len(journal_rows(work)) < 2 and time.monotonic() < deadline and process.poll() is None:
-            time.sleep(0.05)
+        wait_for(lambda: len(journal_rows(work)) >= 2 or process.poll() is not None, 60)
         assert len(journal_rows(work)) >= 2, process.communicate(timeout=30)
         assert stat.S_IMODE((work / "runs_compressed.jsonl.progress").stat().st_mode) == 0o600
         process.send_signal(how)
@@ -99,9 +96,7 @@ def test_an_interrupted_compression_resumes_without_paying_twice(work, how):
 def test_a_torn_last_journal_line_is_dropped_and_that_row_done_again(work):
     with ModelServer(policy=slow_summaries) as server:
         process = start(work, server)
-        deadline = time.monotonic() + 60
-        while len(journal_rows(work)) < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: len(journal_rows(work)) >= 1, 60, step=0.02)
         process.kill()
         process.wait(timeout=30)
         journal = work / "runs_compressed.jsonl.progress"
@@ -125,9 +120,7 @@ def test_a_directory_killed_after_its_first_file_resumes_without_paying_for_that
     first_file = tmp_path / "in_compressed" / "a.jsonl"
     with ModelServer(policy=slow_summaries) as server:
         process = start(tmp_path, server, source="in")
-        deadline = time.monotonic() + 60
-        while not first_file.exists() and time.monotonic() < deadline and process.poll() is None:
-            time.sleep(0.05)
+        wait_for(lambda: first_file.exists() or process.poll() is not None, 60)
         assert first_file.exists(), process.communicate(timeout=30)
         process.kill()
         process.wait(timeout=30)
@@ -152,9 +145,7 @@ def test_a_second_compression_of_the_same_output_is_refused_while_the_first_runs
 
     with ModelServer(policy=slower) as server:
         process = start(work, server)
-        deadline = time.monotonic() + 60
-        while len(journal_rows(work)) < 1 and time.monotonic() < deadline and process.poll() is None:
-            time.sleep(0.05)
+        wait_for(lambda: len(journal_rows(work)) >= 1 or process.poll() is not None, 60)
         assert len(journal_rows(work)) >= 1, process.communicate(timeout=30)
         asked = server.count()
         second = start(work, server, *again)
