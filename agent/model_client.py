@@ -38,6 +38,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
+from agent.plain_http import HTTPProtocolError, PlainHttpPost, ReplyTooLarge, ServerDisconnectedError
 from agent.pricing import Prices, request_cost
 from agent.usage import Usage
 from agent.types import REQUEST_TIMEOUT, ModelReply, ProviderError
@@ -385,10 +386,6 @@ _RESPONSE_TYPE = _response_type()
 MAX_REPLY_BYTES = 16 * 1024 * 1024  # a model reply, decoded; real replies are a few kB to a few hundred
 
 
-class ReplyTooLarge(Exception):
-    """A reply body passed MAX_REPLY_BYTES (decoded): reading stopped there."""
-
-
 async def _read_bounded(response: Any) -> None:
     """Read the body before the SDK does, stopping at MAX_REPLY_BYTES of decoded bytes, so a huge
     reply or a compression bomb costs at most that much memory (the transport decodes gzip itself,
@@ -422,15 +419,17 @@ def _http_client(openai: Any, connections: int) -> Any:
 
 
 class DirectPost:
-    """POST /chat/completions through the SDK's HTTP client and with the SDK's errors, but without
-    its per-request option models and request builder, which cost more CPU than the transport.
+    """POST /chat/completions with the SDK's errors, but without its per-request option models
+    and request builder, which cost more CPU than the transport.
 
     The first request that gets an answer goes the SDK's whole way; its URL and headers (key,
-    client and platform headers, as the SDK built them) are kept, and every later request is sent
-    with them by the same HTTP client: same transport, redirects (the key dropped on the way to
-    another origin), decoding and response hook. A transport error becomes the SDK's timeout or
-    connection error (the cause kept), an HTTP error status the SDK's status error, as the SDK
-    itself raises them. An SDK without these pieces always goes its own way.
+    client and platform headers, as the SDK built them) are kept. Every later request is sent
+    with them: to a plain `http://` endpoint with no proxy and no redirect on the way, by
+    `PlainHttpPost` (a tenth of the transport's CPU per request); to any other, by the SDK's own
+    HTTP client (same transport, redirects with the key dropped on the way to another origin,
+    decoding and response hook). A transport error becomes the SDK's timeout or connection error
+    (the cause kept), an HTTP error status the SDK's status error, as the SDK itself raises them.
+    An SDK without these pieces always goes its own way.
     """
 
     def __init__(self, openai: Any, sdk: Any, http: Any):
@@ -438,6 +437,7 @@ class DirectPost:
         self._url: Any = None
         self._headers: dict[str, str] | None = None
         self._extensions: dict = {}  # the request's timeouts, as the SDK set them
+        self._plain: PlainHttpPost | None = None
         try:
             from openai._httpx2 import request_exceptions, timeout_exceptions
 
@@ -450,9 +450,18 @@ class DirectPost:
         if self._headers is None:
             response = await self._sdk.post("/chat/completions", body=body, cast_to=_RESPONSE_TYPE)
             if self._usable:
-                self._learn(response.history[0].request if response.history else response.request)
+                self._learn(response.history[0].request if response.history else response.request,
+                            redirected=bool(response.history))
             return response
-        request = self._http.build_request("POST", self._url, content=orjson.dumps(body), headers=self._headers,
+        content = orjson.dumps(body)
+        if self._plain is not None:
+            response = await self._post_plain(content)
+            if not 300 <= response.status_code < 400:
+                return response
+            # A redirect: the SDK's transport follows it its way (and the plain path is given up).
+            self._plain.close()
+            self._plain = None
+        request = self._http.build_request("POST", self._url, content=content, headers=self._headers,
                                            extensions=dict(self._extensions))
         openai = self._openai
         try:
@@ -469,12 +478,40 @@ class DirectPost:
             raise self._sdk._make_status_error_from_response(response) from None
         return response
 
-    def _learn(self, request: Any) -> None:
+    async def _post_plain(self, content: bytes) -> Any:
+        try:
+            response = await self._plain.post(content)
+        except (OSError, ServerDisconnectedError, HTTPProtocolError) as err:
+            raise self._openai.APIConnectionError(request=self._sdk_request()) from err
+        if response.status_code >= 400:
+            sdk_response = _RESPONSE_TYPE(response.status_code, headers=response.raw_headers,
+                                          content=response.content, request=self._sdk_request())
+            raise self._sdk._make_status_error_from_response(sdk_response) from None
+        return response
+
+    def _sdk_request(self) -> Any:
+        """The request as the SDK's transport would have built it, for the SDK's errors."""
+        return self._http.build_request("POST", self._url, headers=self._headers)
+
+    def _learn(self, request: Any, redirected: bool) -> None:
         self._url = request.url
         # What the URL and the body set is set again for each request; an idempotency key is one request's own.
         per_body = {"host", "content-length", "transfer-encoding", "idempotency-key"}
         self._headers = {k: v for k, v in request.headers.items() if k.lower() not in per_body}
         self._extensions = {k: v for k, v in request.extensions.items() if k == "timeout"}
+        parts = urllib.parse.urlsplit(str(request.url))
+        proxies = urllib.request.getproxies()
+        proxied = ("http" in proxies or "all" in proxies) and not urllib.request.proxy_bypass(parts.hostname or "")
+        if parts.scheme == "http" and parts.hostname and not redirected and not proxied:
+            # The connection is the client's own: compression costs CPU at both ends for a few kB.
+            headers = [(k, v) for k, v in self._headers.items() if k.lower() not in ("accept-encoding", "connection")]
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            self._plain = PlainHttpPost(parts.hostname, parts.port or 80, path, [*headers, ("Accept-Encoding", "identity")],
+                                        MAX_REPLY_BYTES)
+
+    def close(self) -> None:
+        if self._plain is not None:
+            self._plain.close()
 
 
 class ModelClient:
@@ -628,6 +665,7 @@ class ModelClient:
         return reply
 
     async def close(self) -> None:
+        self._direct.close()
         await self._client.close()
 
 

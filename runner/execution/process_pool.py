@@ -177,12 +177,12 @@ class ProcessExecutor:
                 worker.in_flight.pop(key, None)
                 worker.usage.pop(key, None)
                 (self._late if records is None else records).append(payload)
-            elif kind == "usage":
-                key, usage = payload
-                if key in worker.in_flight:
-                    worker.usage[key] = usage
-                    if self.watcher is not None:
-                        self.watcher.on_usage(key, usage)
+            elif kind == "usage":  # the newest usage of each row that changed, in one message
+                for key, usage in payload:
+                    if key in worker.in_flight:
+                        worker.usage[key] = usage
+                        if self.watcher is not None:
+                            self.watcher.on_usage(key, usage)
             elif kind == "ask":
                 allowed = self.watcher is None or self.watcher.may_send()
                 try:

@@ -320,9 +320,9 @@ def worker_main(worker_id: int, config: RunConfig, unavailable: dict, sessions: 
     """Entry point of a worker process: serve tasks from the parent's pipe until a None arrives.
 
     `conn` is this worker's own pipe to the parent: tasks (and ("admit", ask, bool) answers) come
-    down it; ("result", record), ("log", text), ("usage", (row key, usage so far)) after every
-    change of a row's usage, and, under a cost budget, ("ask", ask) before each model request go
-    up. End-of-file on it means the parent died: the worker then cancels its sessions (which
+    down it; ("result", record), ("log", text), ("usage", [(row key, usage so far), ...]) after
+    rows' usage changed (each row's newest, ahead of whatever is sent next), and, under a cost
+    budget, ("ask", ask) before each model request go up. End-of-file on it means the parent died: the worker then cancels its sessions (which
     removes their sandboxes) and exits within HARD_EXIT_AFTER seconds.
     """
     shield()  # the parent decides how to stop, on Ctrl-C or a SIGTERM sent to the whole group
@@ -367,6 +367,9 @@ def _hard_exit() -> None:
     os._exit(0)
 
 
+USAGE_WAITING = ("usage waiting",)  # an outbox item: only wakes the sender, which sends the usage reports
+
+
 async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions: int, conn) -> None:
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
@@ -385,10 +388,19 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
     # What this process's sessions spend, also kept where the parent's death cannot take it.
     journal = SpendJournal(Path(config.output_dir).resolve() / config.run_name, config.tools.run_id, config.model)
 
+    # Each row's newest usage not sent yet: the sender sends them all, in one message, before the
+    # next item it takes (a result, an ask, a log line), so a row's usage always precedes its result.
+    unsent_usage: dict[str, dict] = {}
+    usage_lock = threading.Lock()
+
     def report_usage(task: Task, stats: CallStats) -> None:
         usage = stats.report()
         journal.note(task, usage)  # synchronously: a request is counted there before it is sent
-        outbox.put(("usage", (task.key, usage)))
+        with usage_lock:
+            wake = not unsent_usage
+            unsent_usage[task.key] = usage
+        if wake:  # one wake-up of the sender per batch, not per request
+            outbox.put(USAGE_WAITING)
 
     async def admit() -> bool:
         """Ask the parent, which knows every worker's spend, whether a request may be sent."""
@@ -445,9 +457,18 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
                 return
 
     def send_results() -> None:  # one sender, so messages never interleave on the pipe
-        while (item := outbox.get()) is not None:
+        while True:
+            item = outbox.get()
+            with usage_lock:
+                usages = list(unsent_usage.items())
+                unsent_usage.clear()
             try:
-                conn.send(item)
+                if usages:
+                    conn.send(("usage", usages))
+                if item is None:
+                    return
+                if item is not USAGE_WAITING:
+                    conn.send(item)
             except OSError:
                 call_soon(parent_gone)
                 return

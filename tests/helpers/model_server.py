@@ -801,6 +801,7 @@ class ModelServer:
         self._states: dict[str, ConversationState] = {}
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
+        self.connections_accepted = 0  # TCP connections the server took, over its life
         self._images = 0
         self._stopping = threading.Event()
         self._httpd: _HTTPServer | None = None
@@ -932,6 +933,7 @@ class ModelServer:
         with self._lock:
             if add:
                 self._connections.add(conn)
+                self.connections_accepted += 1
             else:
                 self._connections.discard(conn)
 

@@ -1,0 +1,230 @@
+"""The plain-HTTP path of the model client (agent/plain_http.py): every request after the first
+to an http:// endpoint. Each test warms a client up with one request (the SDK's way, which
+teaches the path its URL and headers), then sends what it tests through the plain path."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import socket
+import threading
+
+import pytest
+
+from agent.model_client import CallStats, ModelClient, RetryPolicy
+from agent.types import ProviderError
+
+
+def _after_warm_up(base_url, prompts, policy=None, check=None):
+    """Replies (or the ProviderError) to `prompts`, sent one after another by a warmed-up client."""
+
+    async def go():
+        client = ModelClient(base_url, "sk-plain-test", policy=policy or RetryPolicy(base_delay=0.05))
+        results = []
+        try:
+            await client.complete([{"role": "user", "content": "warm up"}], model="m")
+            assert client._direct._plain is not None, "the plain path is not in use"
+            for prompt in prompts:
+                stats = CallStats()
+                try:
+                    reply = await client.complete([{"role": "user", "content": prompt}], model="m", stats=stats)
+                    results.append((reply, stats))
+                except ProviderError as err:
+                    results.append((err, stats))
+            if check:
+                check(client)
+        finally:
+            await client.close()
+        return results
+
+    return asyncio.run(go())
+
+
+def test_the_plain_path_sends_what_the_sdk_sent_and_keeps_its_connection(model_server):
+    (reply, stats), = _after_warm_up(model_server.base_url, ["hi"] * 1)
+    more = _after_warm_up(model_server.base_url, ["again"] * 10)
+    assert reply.content and stats.requests == 1 and all(r.content for r, _ in more)
+    first, second = model_server.requests[0], model_server.requests[1]
+    assert first.body["messages"][0]["content"] == "warm up" and second.body["messages"][0]["content"] == "hi"
+    assert second.headers["authorization"] == first.headers["authorization"] == "Bearer sk-plain-test"
+    same = {k for k in first.headers if k not in ("content-length", "accept-encoding", "connection")}
+    assert {k: second.headers.get(k) for k in same} == {k: first.headers[k] for k in same}
+    # Two clients, 13 requests: the SDK's connection and one of the plain path's for each client.
+    assert model_server.connections_accepted <= 4
+
+
+def test_error_statuses_keep_their_headers_and_classes(model_server):
+    results = _after_warm_up(model_server.base_url, ["@fail 429 1 retry_after=1\nhi", "@fail 401 1\nhi",
+                                                     "@fail 503 1 reset=0.5\nhi"])
+    (ok, stats429), (denied, _), (ok2, stats503) = results
+    assert ok.content and stats429.retries == 1
+    assert isinstance(denied, ProviderError) and denied.error_class == "auth" and denied.status == 401
+    assert ok2.content and stats503.retries == 1
+    times = [r.time for r in model_server.requests]
+    assert times[2] - times[1] >= 1.0  # Retry-After: 1 was read from the plain path's response
+
+
+def test_hostile_replies_on_the_plain_path(model_server):
+    policy = RetryPolicy(base_delay=0.05, request_timeout=1.0, max_unreachable_wait=0.3)
+    prompts = ["@close 50\nhi", "@hang 1\nhi", "@drip 0.05 1\nhi", "@endless 1\nhi", "@html 50\nhi",
+               "@gzip_bomb 40 1\nhi", "@huge 20 1\nhi", "@malformed 1\nhi", "after all that"]
+    closed, hung, dripped, endless, html, bomb, huge, malformed, last = _after_warm_up(
+        model_server.base_url, prompts, policy=policy)
+    assert isinstance(closed[0], ProviderError) and "connection closed by the server" in str(closed[0])
+    assert closed[0].error_class == "connection"
+    for reply, stats in (hung, dripped, endless, malformed):
+        assert reply.content and stats.retries == 1  # timed out (or unreadable) once, then answered
+    assert isinstance(html[0], ProviderError) and "answers HTML" in str(html[0])
+    for err, stats in (bomb, huge):
+        assert isinstance(err, ProviderError) and "larger than the 16 MiB limit" in str(err) and stats.retries == 0
+    assert last[0].content  # no abandoned connection was used again
+
+
+class _RawServer:
+    """A TCP server answering each request with the next of `responses` (bytes, or None to close
+    the connection without answering); it closes the connection after an HTTP/1.0 or a
+    `Connection: close` answer, and after each answer with `close_after`."""
+
+    def __init__(self, responses, close_after=False):
+        self.responses = list(responses)
+        self.close_after = close_after
+        self.connections = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn):
+        with conn:
+            data = b""
+            while self.responses:
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, _, data = data.partition(b"\r\n\r\n")
+                length = int([l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:")][0]
+                             .split(b":")[1])
+                while len(data) < length:
+                    data += conn.recv(65536)
+                data = data[length:]
+                response = self.responses.pop(0)
+                if response is None:
+                    return
+                try:
+                    for i in range(0, len(response), 7):  # in small pieces: framing across reads
+                        conn.sendall(response[i:i + 7])
+                except OSError:  # the client gave up on the connection
+                    return
+                if self.close_after or response.startswith(b"HTTP/1.0") or b"Connection: close" in response:
+                    return
+
+    def close(self):
+        self.sock.close()
+
+
+def _completion(text: str) -> bytes:
+    return (b'{"id": "c", "object": "chat.completion", "model": "m", "choices": [{"index": 0, "message": '
+            b'{"role": "assistant", "content": "%s"}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 1, '
+            b'"completion_tokens": 1, "total_tokens": 2}}' % text.encode())
+
+
+def _with_length(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s" % (
+        extra, len(body), body)
+
+
+def _chunked(body: bytes) -> bytes:
+    pieces = [body[:10], body[10:11], body[11:]]
+    chunks = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces)
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n%s0\r\nX-T: 1\r\n\r\n" % chunks
+
+
+def test_framings_a_real_server_may_use():
+    gz = gzip.compress(_completion("gzipped"))
+    server = _RawServer([
+        _with_length(_completion("warm")),
+        _chunked(_completion("chunked")),
+        b"HTTP/1.1 100 Continue\r\n\r\n" + _with_length(_completion("after 100")),
+        _with_length(gz, b"Content-Encoding: gzip\r\n"),
+        _with_length(_completion("closing"), b"Connection: close\r\n"),
+        _with_length(_completion("new connection")),
+        b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + _completion("until close"),
+        _with_length(_completion("last")),
+    ])
+    try:
+        replies = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1", "2", "3", "4", "5", "6", "7"])
+        assert [r.content for r, _ in replies] == ["chunked", "after 100", "gzipped", "closing", "new connection",
+                                                   "until close", "last"]
+        # The SDK's own; the plain path's first, closed by "Connection: close"; its second, closed by
+        # the HTTP/1.0 answer; its third for the last request.
+        assert server.connections == 4
+    finally:
+        server.close()
+
+
+def test_a_server_closing_every_connection_after_answering_costs_no_failed_request():
+    server = _RawServer([_with_length(_completion(str(i))) for i in range(6)], close_after=True)
+    try:
+        replies = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1", "2", "3", "4", "5"])
+        assert [r.content for r, _ in replies] == ["1", "2", "3", "4", "5"]
+        assert all(stats.retries == 0 for _, stats in replies)
+    finally:
+        server.close()
+
+
+def test_bytes_that_are_not_http_are_a_connection_error_and_retried():
+    server = _RawServer([_with_length(_completion("warm")), b"SSH-2.0-OpenSSH_9.2\r\n\r\n",
+                         _with_length(_completion("framed"), b"Content-Length: 3\r\n"),
+                         _with_length(_completion("ok"))])
+    try:
+        (reply, stats), = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1"])
+        assert reply.content == "ok" and stats.retries == 2
+    finally:
+        server.close()
+
+
+def test_a_redirect_hands_the_request_to_the_sdk_transport(model_server):
+    redirect = b"HTTP/1.1 307 Temporary Redirect\r\nLocation: %s/chat/completions\r\nContent-Length: 0\r\n\r\n" % (
+            model_server.base_url.encode())
+    # The plain path gets the redirect and hands the request to the SDK's transport, which asks
+    # the same URL again, gets the redirect again and follows it.
+    server = _RawServer([_with_length(_completion("warm")), redirect, redirect])
+
+    def check(client):
+        assert client._direct._plain is None  # given up for good after a redirect
+
+    try:
+        (reply, _), = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1"], check=check)
+        assert reply.content and len(model_server.requests) == 1
+        # A redirect to another origin (another port) does not carry the key.
+        assert "authorization" not in model_server.requests[0].headers
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("proxy_var", ["http_proxy", "ALL_PROXY"])
+def test_a_proxy_in_the_environment_keeps_the_sdk_transport(model_server, monkeypatch, proxy_var):
+    monkeypatch.setenv(proxy_var, "http://127.0.0.1:9")
+    monkeypatch.setenv("no_proxy", "")
+
+    async def go():
+        client = ModelClient(model_server.base_url, "k", policy=RetryPolicy(base_delay=0.05, max_unreachable_wait=0.1))
+        try:
+            await client.complete([{"role": "user", "content": "hi"}], model="m")
+        except ProviderError:
+            pass
+        plain = client._direct._plain
+        await client.close()
+        return plain
+
+    assert asyncio.run(go()) is None
