@@ -484,8 +484,10 @@ class DirectPost:
         except (OSError, ServerDisconnectedError, HTTPProtocolError) as err:
             raise self._openai.APIConnectionError(request=self._sdk_request()) from err
         if response.status_code >= 400:
-            sdk_response = _RESPONSE_TYPE(response.status_code, headers=response.raw_headers,
-                                          content=response.content, request=self._sdk_request())
+            # The body is decoded already: a Content-Encoding left on would make the SDK's response decode it again.
+            headers = [(k, v) for k, v in response.raw_headers if k.lower() != "content-encoding"]
+            sdk_response = _RESPONSE_TYPE(response.status_code, headers=headers, content=response.content,
+                                          request=self._sdk_request())
             raise self._sdk._make_status_error_from_response(sdk_response) from None
         return response
 

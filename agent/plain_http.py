@@ -124,7 +124,7 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def _parse(self) -> None:
-        if self._head is None:
+        while self._head is None:
             end = self._buffer.find(b"\r\n\r\n")
             if end < 0:
                 if len(self._buffer) > _HEADER_LIMIT:
@@ -134,8 +134,7 @@ class _Connection(asyncio.Protocol):
             del self._buffer[: end + 4]
             status, headers, http10 = _parse_head(head)
             if 100 <= status < 200:  # an interim response (100 Continue): the real one follows
-                self._parse()
-                return
+                continue
             self._head = (status, headers)
             self._start_body(headers, closes=http10)  # an HTTP/1.0 server closes after each response
         if self._framing == "length":

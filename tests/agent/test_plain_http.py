@@ -228,3 +228,35 @@ def test_a_proxy_in_the_environment_keeps_the_sdk_transport(model_server, monkey
         return plain
 
     assert asyncio.run(go()) is None
+
+
+def _status(status: int, body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 %d Error\r\n%sContent-Length: %d\r\n\r\n%s" % (status, extra, len(body), body)
+
+
+def test_a_compressed_error_body_is_read_as_the_sdk_reads_it():
+    # The server compresses whatever the client asked for: the body of an error status is then
+    # gzip too, and its message, class and Retry-After are read from it as from a plain one.
+    gz = b"Content-Encoding: gzip\r\nContent-Type: application/json\r\n"
+    server = _RawServer([
+        _with_length(_completion("warm")),
+        _status(429, gzip.compress(b'{"error": {"message": "slow down"}}'), gz + b"Retry-After: 0\r\n"),
+        _with_length(_completion("after 429")),
+        _status(401, gzip.compress(b'{"error": {"message": "bad key"}}'), gz),
+    ])
+    try:
+        (ok, stats), (denied, _) = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1", "2"])
+        assert ok.content == "after 429" and stats.retries == 1
+        assert isinstance(denied, ProviderError) and denied.error_class == "auth" and "bad key" in str(denied)
+    finally:
+        server.close()
+
+
+def test_any_number_of_interim_responses_before_the_answer():
+    server = _RawServer([_with_length(_completion("warm")),
+                         b"HTTP/1.1 100 Continue\r\n\r\n" * 3000 + _with_length(_completion("answer"))])
+    try:
+        (reply, stats), = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1"])
+        assert reply.content == "answer" and stats.retries == 0
+    finally:
+        server.close()
