@@ -197,6 +197,8 @@ class _Connection(asyncio.Protocol):
                 if size == 0:  # the last chunk; trailers (ignored) end with an empty line
                     trailer_end = self._buffer.find(b"\r\n\r\n", end)
                     if trailer_end < 0:
+                        if len(self._buffer) > _HEADER_LIMIT:
+                            raise HTTPProtocolError("the response's trailers are longer than 64 KiB")
                         return
                     del self._buffer[: trailer_end + 4]
                     self._finish_body()

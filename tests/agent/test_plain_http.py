@@ -260,3 +260,30 @@ def test_any_number_of_interim_responses_before_the_answer():
         assert reply.content == "answer" and stats.retries == 0
     finally:
         server.close()
+
+
+def test_endless_trailers_after_the_last_chunk_are_refused_not_held():
+    # After the last chunk, a server sends trailer lines that never end (and then waits): the
+    # client stops at the same 64 KiB a header block may have, instead of holding all of it in
+    # memory until the request times out.
+    endless = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n" + b"X-Pad: " + b"a" * (4 * 2**20)
+
+    class Waiting(_RawServer):
+        def _handle(self, conn):
+            if self.connections > 1:  # the plain path's own connection
+                try:
+                    conn.recv(65536)
+                    conn.sendall(endless)
+                except OSError:  # the client stopped reading and closed
+                    return
+                threading.Event().wait(30)
+            else:
+                super()._handle(conn)
+
+    server = Waiting([_with_length(_completion("warm"))])
+    try:
+        policy = RetryPolicy(max_attempts=1, request_timeout=20)
+        (err, _), = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1"], policy=policy)
+        assert isinstance(err, ProviderError) and "trailers are longer than 64 KiB" in str(err), err
+    finally:
+        server.close()
