@@ -125,13 +125,13 @@ class _Connection(asyncio.Protocol):
 
     def _parse(self) -> None:
         while self._head is None:
-            end = self._buffer.find(b"\r\n\r\n")
+            end, after = _blank_line(self._buffer, 0)
             if end < 0:
                 if len(self._buffer) > _HEADER_LIMIT:
                     raise HTTPProtocolError("the response's headers are longer than 64 KiB")
                 return
             head = bytes(self._buffer[:end]).decode("latin-1")
-            del self._buffer[: end + 4]
+            del self._buffer[:after]
             status, headers, http10 = _parse_head(head)
             if 100 <= status < 200:  # an interim response (100 Continue): the real one follows
                 continue
@@ -184,38 +184,40 @@ class _Connection(asyncio.Protocol):
     def _parse_chunks(self) -> None:
         while True:
             if self._remaining < 0:  # at a chunk's size line
-                end = self._buffer.find(b"\r\n")
+                end = self._buffer.find(b"\n")
                 if end < 0:
                     if len(self._buffer) > 1024:
                         raise HTTPProtocolError("a chunk size line longer than 1 KiB")
                     return
-                size_text = bytes(self._buffer[:end]).split(b";", 1)[0].strip()
+                size_text = bytes(self._buffer[:end]).split(b";", 1)[0].strip()  # strip(): a CR too
                 try:
                     size = int(size_text, 16)
                 except ValueError:
                     raise HTTPProtocolError(f"a chunk size that is not a hex number: {size_text[:40]!r}") from None
                 if size == 0:  # the last chunk; trailers (ignored) end with an empty line
-                    trailer_end = self._buffer.find(b"\r\n\r\n", end)
+                    _, trailer_end = _blank_line(self._buffer, end)
                     if trailer_end < 0:
                         if len(self._buffer) > _HEADER_LIMIT:
                             raise HTTPProtocolError("the response's trailers are longer than 64 KiB")
                         return
-                    del self._buffer[: trailer_end + 4]
+                    del self._buffer[:trailer_end]
                     self._finish_body()
                     return
-                del self._buffer[: end + 2]
+                del self._buffer[: end + 1]
                 self._remaining = size
-            if len(self._buffer) < self._remaining + 2:
-                if len(self._buffer) > self._remaining:  # all of the chunk but its CRLF
-                    return
+            if len(self._buffer) <= self._remaining:  # (part of) the chunk's data, not yet its line end
                 take = len(self._buffer)
                 if take:
                     self._add(bytes(self._buffer))
                     self._buffer.clear()
                     self._remaining -= take
                 return
+            # The chunk's data ends with a CRLF (or a bare LF).
+            line_end = 1 if self._buffer[self._remaining] == 0x0A else 2
+            if len(self._buffer) < self._remaining + line_end:
+                return
             self._add(bytes(self._buffer[: self._remaining]))
-            del self._buffer[: self._remaining + 2]
+            del self._buffer[: self._remaining + line_end]
             self._remaining = -1
 
     def _add(self, data: bytes, flush: bool = False) -> None:
@@ -244,9 +246,18 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _blank_line(buffer: bytearray, start: int) -> tuple[int, int]:
+    """Where the block of lines from `start` ends at an empty line, and where what follows it
+    begins; (-1, -1) while there is none. Lines end with CRLF or (some servers) a bare LF."""
+    crlf, lf = buffer.find(b"\n\r\n", start), buffer.find(b"\n\n", start)
+    if lf >= 0 and (crlf < 0 or lf < crlf):
+        return lf, lf + 2
+    return (crlf, crlf + 3) if crlf >= 0 else (-1, -1)
+
+
 def _parse_head(head: str) -> tuple[int, list[tuple[str, str]], bool]:
     """The status, the headers and whether the response is HTTP/1.0."""
-    lines = head.split("\r\n")
+    lines = [line.removesuffix("\r") for line in head.split("\n")]
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
         raise HTTPProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")

@@ -287,3 +287,64 @@ def test_endless_trailers_after_the_last_chunk_are_refused_not_held():
         assert isinstance(err, ProviderError) and "trailers are longer than 64 KiB" in str(err), err
     finally:
         server.close()
+
+
+def test_a_server_ending_its_lines_with_a_bare_lf_is_read_as_the_sdk_reads_it():
+    # Some hand-written servers end lines with "\n" alone; the SDK's transport reads them, so the
+    # plain path must too (else every request after the first waits for a blank line until it times out).
+    def lf_only(raw: bytes) -> bytes:
+        head, _, body = raw.partition(b"\r\n\r\n")
+        return head.replace(b"\r\n", b"\n") + b"\n\n" + body.replace(b"\r\n", b"\n")
+
+    server = _RawServer([lf_only(_with_length(_completion("warm"))), lf_only(_with_length(_completion("length"))),
+                         lf_only(_chunked(_completion("chunked"))), _with_length(_completion("crlf again"))])
+    try:
+        policy = RetryPolicy(max_attempts=1, request_timeout=5)
+        replies = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1", "2", "3"], policy=policy)
+        assert [getattr(r, "content", r) for r, _ in replies] == ["length", "chunked", "crlf again"]
+        assert server.connections == 2  # the SDK's and one of the plain path's: every framing was kept
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("line_end", [b"\r\n", b"\n"])
+def test_every_framing_read_one_byte_at_a_time(line_end):
+    from agent.plain_http import _Connection
+
+    class Transport:  # what the connection writes and whether it closed
+        closed = False
+
+        def write(self, data):
+            pass
+
+        def is_closing(self):
+            return self.closed
+
+        def close(self):
+            self.closed = True
+
+    body = _completion("split")
+    gz = gzip.compress(body, mtime=0)
+    n = line_end
+
+    def chunked(data, head=b""):
+        chunks = b"".join(b"%x%s%s%s" % (len(p), n, p, n) for p in (data[:10], data[10:11], data[11:]))
+        return b"HTTP/1.1 200 OK%s%sTransfer-Encoding: chunked%s%s%s0%s%s" % (n, head, n, n, chunks, n, n)
+
+    def with_length(data, head=b""):
+        return b"HTTP/1.1 200 OK%s%sContent-Length: %d%s%s%s" % (n, head, len(data), n, n, data)
+
+    responses = [with_length(body), chunked(body), b"HTTP/1.1 100 Continue%s%s" % (n, n) + with_length(body),
+                 with_length(gz, b"Content-Encoding: gzip" + n), chunked(gz, b"Content-Encoding: gzip" + n)]
+
+    async def go():
+        connection = _Connection(limit=2**20)
+        connection.connection_made(Transport())
+        for raw in responses:
+            waiter = connection.request(b"POST / HTTP/1.1\r\n\r\n")
+            for i in range(len(raw)):
+                assert not waiter.done()
+                connection.data_received(raw[i:i + 1])
+            assert (await waiter).content == body and connection.usable
+
+    asyncio.run(go())
