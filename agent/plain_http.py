@@ -163,7 +163,7 @@ class _Connection(asyncio.Protocol):
         if encoding in ("gzip", "x-gzip"):
             self._decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
         elif encoding == "deflate":
-            self._decoder = zlib.decompressobj()
+            self._decoder = _DeflateDecoder()
         elif encoding not in ("", "identity"):
             raise HTTPProtocolError(f"the response's content encoding {encoding!r} is not one this client decodes")
         transfer = ",".join(fields.get("transfer-encoding", []))
@@ -244,6 +244,28 @@ class _Connection(asyncio.Protocol):
         waiter.set_result(Response(status, headers, b"".join(self._body)))
         if not self.usable:
             self.transport.close()
+
+
+class _DeflateDecoder:
+    """HTTP's "deflate" is a zlib stream, but some servers send raw deflate (as the SDK's transport
+    reads too): the first two bytes tell which, by whether they are a zlib header."""
+
+    def __init__(self):
+        self._start = b""
+        self._inner = None
+
+    def decompress(self, data: bytes, max_length: int) -> bytes:
+        if self._inner is None:
+            self._start += data
+            if len(self._start) < 2:
+                return b""
+            zlib_header = self._start[0] & 0x0F == 8 and int.from_bytes(self._start[:2], "big") % 31 == 0
+            self._inner = zlib.decompressobj(zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS)
+            data, self._start = self._start, b""
+        return self._inner.decompress(data, max_length)
+
+    def flush(self) -> bytes:
+        return self._inner.flush() if self._inner is not None else b""
 
 
 def _blank_line(buffer: bytearray, start: int) -> tuple[int, int]:

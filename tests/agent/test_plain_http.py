@@ -8,6 +8,7 @@ import asyncio
 import gzip
 import socket
 import threading
+import zlib
 
 import pytest
 
@@ -336,6 +337,9 @@ def test_every_framing_read_one_byte_at_a_time(line_end):
 
     responses = [with_length(body), chunked(body), b"HTTP/1.1 100 Continue%s%s" % (n, n) + with_length(body),
                  with_length(gz, b"Content-Encoding: gzip" + n), chunked(gz, b"Content-Encoding: gzip" + n)]
+    raw_deflate = zlib.compressobj(wbits=-15)
+    for deflated in (zlib.compress(body), raw_deflate.compress(body) + raw_deflate.flush()):
+        responses.append(chunked(deflated, b"Content-Encoding: deflate" + n))
 
     async def go():
         connection = _Connection(limit=2**20)
@@ -348,3 +352,17 @@ def test_every_framing_read_one_byte_at_a_time(line_end):
             assert (await waiter).content == body and connection.usable
 
     asyncio.run(go())
+
+
+def test_deflate_bodies_zlib_wrapped_or_raw():
+    def deflated(text: str, wbits: int) -> bytes:
+        compressor = zlib.compressobj(wbits=wbits)
+        return _with_length(compressor.compress(_completion(text)) + compressor.flush(), b"Content-Encoding: deflate\r\n")
+
+    server = _RawServer([deflated("warm", -15), deflated("raw", -15), deflated("zlib", 15)])
+    try:
+        policy = RetryPolicy(max_attempts=1, request_timeout=5)
+        replies = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1", "2"], policy=policy)
+        assert [getattr(r, "content", r) for r, _ in replies] == ["raw", "zlib"]
+    finally:
+        server.close()
