@@ -449,7 +449,9 @@ class DirectPost:
     async def post(self, body: dict) -> Any:
         if self._headers is None:
             response = await self._sdk.post("/chat/completions", body=body, cast_to=_RESPONSE_TYPE)
-            if self._usable:
+            # Only the first answer teaches: a later one (a session's first request, sent while
+            # none had come back) would start the plain path over and strand its connections.
+            if self._usable and self._headers is None:
                 self._learn(response.history[0].request if response.history else response.request,
                             redirected=bool(response.history))
             return response

@@ -305,6 +305,7 @@ class PlainHttpPost:
         lines += [f"{name}: {value}" for name, value in headers]
         self._head = ("\r\n".join(lines) + "\r\nContent-Length: ").encode("latin-1")
         self._idle: list[_Connection] = []
+        self._closed = False  # closed: a connection whose request ends is closed, not kept
 
     async def post(self, body: bytes) -> Response:
         connection = await self._connection()
@@ -314,8 +315,10 @@ class PlainHttpPost:
         except BaseException:
             connection.abandon()
             raise
-        if connection.usable:
+        if connection.usable and not self._closed:
             self._idle.append(connection)
+        elif connection.usable:
+            connection.abandon()
         return response
 
     async def _connection(self) -> _Connection:
@@ -328,6 +331,7 @@ class PlainHttpPost:
         return connection
 
     def close(self) -> None:
+        self._closed = True
         for connection in self._idle:
             connection.abandon()
         self._idle.clear()

@@ -14,6 +14,7 @@ import pytest
 
 from agent.model_client import CallStats, ModelClient, RetryPolicy
 from agent.types import ProviderError
+from tests.conftest import wait_for
 
 
 def _after_warm_up(base_url, prompts, policy=None, check=None):
@@ -366,3 +367,38 @@ def test_deflate_bodies_zlib_wrapped_or_raw():
         assert [getattr(r, "content", r) for r, _ in replies] == ["raw", "zlib"]
     finally:
         server.close()
+
+
+def test_no_connection_is_left_open_when_first_requests_answer_one_after_another(model_server):
+    # Every session's first request goes the SDK's way; the first answer teaches the plain path,
+    # which is then used while slower first requests are still out. Their answers must not start
+    # the plain path over and strand the connections it already has.
+    async def go():
+        client = ModelClient(model_server.base_url, "k", policy=RetryPolicy(base_delay=0.05))
+
+        async def session(latency):
+            await client.complete([{"role": "user", "content": f"@latency {latency}\nslow {latency}"}], model="m")
+            await client.complete([{"role": "user", "content": f"again {latency}"}], model="m")
+
+        try:
+            await asyncio.gather(*(session(latency) for latency in (0.0, 0.3, 0.6)))
+        finally:
+            await client.close()
+        await asyncio.sleep(0.2)
+
+    asyncio.run(go())
+    assert wait_for(lambda: not model_server._connections, 3), f"{len(model_server._connections)} left open"
+
+
+def test_a_request_in_flight_when_the_client_closes_leaves_no_connection_open(model_server):
+    async def go():
+        client = ModelClient(model_server.base_url, "k", policy=RetryPolicy(base_delay=0.05))
+        await client.complete([{"role": "user", "content": "warm up"}], model="m")
+        late = asyncio.ensure_future(client.complete([{"role": "user", "content": "@latency 0.4\nlate"}], model="m"))
+        await asyncio.sleep(0.1)
+        await client.close()
+        assert (await late).content  # it still gets its answer
+        await asyncio.sleep(0.2)
+
+    asyncio.run(go())
+    assert wait_for(lambda: not model_server._connections, 3), f"{len(model_server._connections)} left open"
