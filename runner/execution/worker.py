@@ -322,8 +322,9 @@ def worker_main(worker_id: int, config: RunConfig, unavailable: dict, sessions: 
     `conn` is this worker's own pipe to the parent: tasks (and ("admit", ask, bool) answers) come
     down it; ("result", record), ("log", text), ("usage", [(row key, usage so far), ...]) after
     rows' usage changed (each row's newest, ahead of whatever is sent next), and, under a cost
-    budget, ("ask", ask) before each model request go up. End-of-file on it means the parent died: the worker then cancels its sessions (which
-    removes their sandboxes) and exits within HARD_EXIT_AFTER seconds.
+    budget, ("ask", ask) before each model request go up. End-of-file on it means the parent
+    died: the worker then cancels its sessions (which removes their sandboxes) and exits within
+    HARD_EXIT_AFTER seconds.
     """
     shield()  # the parent decides how to stop, on Ctrl-C or a SIGTERM sent to the whole group
     _die_with_parent()
