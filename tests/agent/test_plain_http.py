@@ -105,30 +105,34 @@ class _RawServer:
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn):
-        with conn:
-            data = b""
-            while self.responses:
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                head, _, data = data.partition(b"\r\n\r\n")
-                length = int([l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:")][0]
-                             .split(b":")[1])
-                while len(data) < length:
-                    data += conn.recv(65536)
-                data = data[length:]
-                response = self.responses.pop(0)
-                if response is None:
+        try:
+            self._answer(conn)
+        except OSError:  # the client reset the connection (it gave up on it)
+            pass
+        finally:
+            conn.close()
+
+    def _answer(self, conn):
+        data = b""
+        while self.responses:
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
                     return
-                try:
-                    for i in range(0, len(response), 7):  # in small pieces: framing across reads
-                        conn.sendall(response[i:i + 7])
-                except OSError:  # the client gave up on the connection
-                    return
-                if self.close_after or response.startswith(b"HTTP/1.0") or b"Connection: close" in response:
-                    return
+                data += chunk
+            head, _, data = data.partition(b"\r\n\r\n")
+            length = int([l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:")][0]
+                         .split(b":")[1])
+            while len(data) < length:
+                data += conn.recv(65536)
+            data = data[length:]
+            response = self.responses.pop(0)
+            if response is None:
+                return
+            for i in range(0, len(response), 7):  # in small pieces: framing across reads
+                conn.sendall(response[i:i + 7])
+            if self.close_after or response.startswith(b"HTTP/1.0") or b"Connection: close" in response:
+                return
 
     def close(self):
         self.sock.close()

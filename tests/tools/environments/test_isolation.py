@@ -212,13 +212,15 @@ def test_a_session_ending_kills_only_its_own_orphans(tmp_path):
 import os, sys
 from tools.environments.base import become_subreaper
 from tools.environments.local import LocalConfig, LocalEnvironment
+from tests.conftest import wait_for
 from tests.tools.environments.test_isolation import _alive_with_argument as alive
 become_subreaper()
 a, b = (LocalEnvironment(LocalConfig(task_id=t, workdir_root={str(tmp_path)!r})) for t in "ab")
 a.start(); b.start()
 a.execute("sleep {seconds[0]} >/dev/null 2>&1 &")
 b.execute("env -i setsid sleep {seconds[1]} >/dev/null 2>&1 &")
-assert alive("{seconds[0]}") and alive("{seconds[1]}")
+# A command's background process may not have exec'd its sleep yet when execute() returns.
+assert wait_for(lambda: alive("{seconds[0]}") and alive("{seconds[1]}"), 10)
 b.cleanup()
 assert alive("{seconds[0]}") and not alive("{seconds[1]}"), "after B"
 assert a.execute("echo still here").output.strip() == "still here"
