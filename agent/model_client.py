@@ -425,7 +425,7 @@ class DirectPost:
     The first request that gets an answer goes the SDK's whole way; its URL and headers (key,
     client and platform headers, as the SDK built them) are kept. Every later request is sent
     with them: to a plain `http://` endpoint with no proxy and no redirect on the way, by
-    `PlainHttpPost` (a tenth of the transport's CPU per request); to any other, by the SDK's own
+    `PlainHttpPost` (about a third of the CPU per request); to any other, by the SDK's own
     HTTP client (same transport, redirects with the key dropped on the way to another origin,
     decoding and response hook). A transport error becomes the SDK's timeout or connection error
     (the cause kept), an HTTP error status the SDK's status error, as the SDK itself raises them.
