@@ -36,6 +36,12 @@ class ReplyTooLarge(Exception):
 class Headers(dict):
     """Response headers by lower-case name (a repeated header's values joined by ", ")."""
 
+    def __init__(self, raw_headers: list[tuple[str, str]]):
+        super().__init__()
+        for name, value in raw_headers:
+            key = name.lower()
+            self[key] = f"{self[key]}, {value}" if key in self else value
+
     def get(self, name: str, default=None):  # type: ignore[override]
         return super().get(name.lower(), default)
 
@@ -43,13 +49,10 @@ class Headers(dict):
 class Response:
     __slots__ = ("status_code", "headers", "raw_headers", "content")
 
-    def __init__(self, status_code: int, raw_headers: list[tuple[str, str]], content: bytes):
+    def __init__(self, status_code: int, raw_headers: list[tuple[str, str]], headers: Headers, content: bytes):
         self.status_code = status_code
         self.raw_headers = raw_headers
-        self.headers = Headers()
-        for name, value in raw_headers:
-            key = name.lower()
-            self.headers[key] = f"{self.headers[key]}, {value}" if key in self.headers else value
+        self.headers = headers
         self.content = content
 
 
@@ -65,7 +68,7 @@ class _Connection(asyncio.Protocol):
         self.usable = True  # may carry another request
         self._buffer = bytearray()
         self._waiter: asyncio.Future | None = None
-        self._head: tuple[int, list[tuple[str, str]]] | None = None
+        self._head: tuple[int, list[tuple[str, str]], Headers] | None = None
         self._body: list[bytes] = []
         self._body_size = 0
         self._framing = ""  # length | chunked | close
@@ -136,8 +139,8 @@ class _Connection(asyncio.Protocol):
             status, headers, http10 = _parse_head(head)
             if 100 <= status < 200:  # an interim response (100 Continue): the real one follows
                 continue
-            self._head = (status, headers)
-            self._start_body(headers, closes=http10)  # an HTTP/1.0 server closes after each response
+            self._head = (status, headers, Headers(headers))
+            self._start_body(closes=http10)  # an HTTP/1.0 server closes after each response
         if self._framing == "length":
             take = min(self._remaining, len(self._buffer))
             if take:
@@ -153,29 +156,25 @@ class _Connection(asyncio.Protocol):
                 self._add(bytes(self._buffer))
                 self._buffer.clear()
 
-    def _start_body(self, headers: list[tuple[str, str]], closes: bool) -> None:
-        status = self._head[0]
-        fields = {}
-        for name, value in headers:
-            fields.setdefault(name.lower(), []).append(value.strip().lower())
-        connection = ",".join(fields.get("connection", []))
-        self._closes = closes or "close" in connection
-        encoding = ",".join(fields.get("content-encoding", [])).strip()
+    def _start_body(self, closes: bool) -> None:
+        status, raw_headers, headers = self._head
+        self._closes = closes or "close" in headers.get("connection", "").lower()
+        encoding = headers.get("content-encoding", "").lower()
         if encoding in ("gzip", "x-gzip"):
             self._decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
         elif encoding == "deflate":
             self._decoder = _DeflateDecoder()
         elif encoding not in ("", "identity"):
             raise HTTPProtocolError(f"the response's content encoding {encoding!r} is not one this client decodes")
-        transfer = ",".join(fields.get("transfer-encoding", []))
+        transfer = headers.get("transfer-encoding", "").lower()
         if status in (204, 304):
             self._framing, self._remaining = "length", 0
         elif transfer:
             if transfer.split(",")[-1].strip() != "chunked":
                 raise HTTPProtocolError(f"the response's transfer encoding {transfer!r} is not chunked")
             self._framing, self._remaining = "chunked", -1
-        elif "content-length" in fields:
-            lengths = set(fields["content-length"])
+        elif "content-length" in headers:
+            lengths = {value for name, value in raw_headers if name.lower() == "content-length"}
             if len(lengths) != 1 or not next(iter(lengths)).isdigit():
                 raise HTTPProtocolError(f"the response's Content-Length is not one number: {sorted(lengths)}")
             self._framing, self._remaining = "length", int(lengths.pop())
@@ -237,12 +236,12 @@ class _Connection(asyncio.Protocol):
     def _finish_body(self) -> None:
         if self._decoder is not None:
             self._add(b"", flush=True)
-        status, headers = self._head
+        status, raw_headers, headers = self._head
         if self._closes or self._buffer:  # leftover bytes: the connection's framing cannot be trusted
             self.usable = False
         waiter = self._waiter
         self._waiter = None
-        waiter.set_result(Response(status, headers, b"".join(self._body)))
+        waiter.set_result(Response(status, raw_headers, headers, b"".join(self._body)))
         if not self.usable:
             self.transport.close()
 
