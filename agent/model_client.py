@@ -131,7 +131,7 @@ class CallStats(Usage):
         self._pend(model, 1)
 
     def add_usage(self, usage: dict, model: str | None = None) -> None:
-        self._pend(model, -1)
+        self._pend(model, -1, notify=False)  # one report, once the reply's usage is in
         self.add_reply(usage, request_cost(usage, self.prices), model)
         self._changed()
 

@@ -29,7 +29,23 @@ _CALL_SCHEMA = {
 }
 
 
+# The system turn of each tool list a process has offered: the same few lists come back row
+# after row, and the JSON of their schemas was a sizeable part of building a record.
+_SYSTEM_TURNS: dict[tuple[int, ...], tuple[tuple[ToolSpec, ...], str]] = {}
+
+
 def system_turn(tools: list[ToolSpec]) -> str:
+    key = tuple(map(id, tools))  # the specs are the registry's own objects, kept alive by the entry
+    cached = _SYSTEM_TURNS.get(key)
+    if cached is not None and all(a is b for a, b in zip(cached[0], tools)):
+        return cached[1]
+    text = _system_turn(tools)
+    if len(_SYSTEM_TURNS) < 256:
+        _SYSTEM_TURNS[key] = (tuple(tools), text)
+    return text
+
+
+def _system_turn(tools: list[ToolSpec]) -> str:
     listing = json.dumps(
         [
             {

@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import threading
 import time
 from collections import deque
@@ -31,7 +32,7 @@ from runner.console import plural
 from runner.execution.group_signals import CANCEL_SIGNAL, spawning_shielded
 from runner.execution.executor import SpendWatcher
 from runner.execution.task import Task
-from runner.execution.worker import failed_record, worker_main
+from runner.execution.worker import failed_record, send_message, worker_main
 from runner.storage.records import row_key_of
 from agent.usage import Usage
 
@@ -92,8 +93,11 @@ class ProcessExecutor:
         # model SDK per run instead of one per process, and workers ready sooner.
         self._ctx = mp.get_context("forkserver")
         # shielded first: the fork server and its workers ignore a signal sent to the whole group.
+        # httpcore2 and truststore: what the SDK imports when a worker builds its HTTP client
+        # (about 50 ms a worker otherwise, each time, before its first row); a module missing
+        # from an SDK version is skipped by the fork server.
         self._ctx.set_forkserver_preload(["runner.execution.shielded", "runner.execution.worker",
-                                          "agent.model_client", "openai"])
+                                          "agent.model_client", "openai", "httpcore2", "truststore"])
         self.workers: list[_Worker] = []
         self._reading = False  # a pipe is being read (see _drain)
         self._deaths = [DeathWindow(self.CRASH_LOOP_DEATHS, self.CRASH_LOOP_WINDOW) for _ in self.slot_plan]
@@ -138,7 +142,7 @@ class ProcessExecutor:
         worker = max((w for w in self._live() if not w.broken), key=lambda w: w.slots - len(w.in_flight))
         worker.in_flight[task.key] = task  # before sending: if the worker is dead, the row fails below
         try:
-            worker.conn.send(task)
+            send_message(worker.conn, task)
         except OSError:
             worker.broken = True  # the next poll reaps it and fails its rows
 
@@ -186,7 +190,7 @@ class ProcessExecutor:
             elif kind == "ask":
                 allowed = self.watcher is None or self.watcher.may_send()
                 try:
-                    worker.conn.send(("admit", payload, allowed))
+                    send_message(worker.conn, ("admit", payload, allowed))
                 except OSError:
                     worker.broken = True
                     return
@@ -313,9 +317,21 @@ def _clean_after_worker(config: RunConfig, tasks: list[Task], log) -> None:
 
 def _stop_fork_server() -> None:
     """Stop and reap the fork server, so no process of the run outlives it (and the workers' CPU
-    time, which the fork server collected when it reaped them, is accounted to the runner)."""
+    time, which the fork server collected when it reaped them, is accounted to the runner).
+
+    SIGKILL, not only the end of its "alive" pipe: asked that way it exits through the interpreter's
+    whole finalization (it has imported the model SDK), which cost every run about 0.13 s and as
+    much CPU at its end. Nothing is lost: the workers it forked are reaped already (a worker's
+    exit code comes from the fork server's wait for it) and it holds no file of the run."""
     from multiprocessing import forkserver
 
-    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)  # private, hence guarded
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)  # private, hence guarded
+    if isinstance(pid, int):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    stop = getattr(server, "_stop", None)
     if stop is not None:
-        stop()
+        stop()  # closes its pipe and reaps it

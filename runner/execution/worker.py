@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -368,6 +369,13 @@ def _hard_exit() -> None:
     os._exit(0)
 
 
+def send_message(conn, message: Any) -> None:
+    """`conn.send(message)` without multiprocessing's ForkingPickler, which copies the whole
+    copyreg dispatch table for every message (it can send sockets and pipes; ours are plain
+    values): the bytes are the same pickle, so the other end's `recv()` reads them as before."""
+    conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+
+
 USAGE_WAITING = ("usage waiting",)  # an outbox item: only wakes the sender, which sends the usage reports
 
 
@@ -465,11 +473,11 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
                 unsent_usage.clear()
             try:
                 if usages:
-                    conn.send(("usage", usages))
+                    send_message(conn, ("usage", usages))
                 if item is None:
                     return
                 if item is not USAGE_WAITING:
-                    conn.send(item)
+                    send_message(conn, item)
             except OSError:
                 call_soon(parent_gone)
                 return

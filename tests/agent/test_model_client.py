@@ -110,6 +110,29 @@ def test_usage_is_summed(model_server):
     assert stats.total_tokens == reply.usage["total_tokens"] > 0 and stats.cost == pytest.approx(0.0001)
 
 
+def test_a_reply_is_reported_once_with_its_usage_never_as_a_request_gone_without_a_charge(model_server):
+    """Each report goes to the parent (and the spend journal): a reply's is one report, with its
+    usage in, not also one in between where the request is neither pending nor priced."""
+    reports = []
+    stats = CallStats(listener=lambda s: reports.append(s.report()))
+    client = ModelClient(model_server.base_url, "k")
+
+    async def two_requests():
+        try:
+            for _ in range(2):
+                await client.complete([{"role": "user", "content": "hi"}], model="m", stats=stats)
+        finally:
+            await client.close()
+
+    asyncio.run(two_requests())
+    assert len(reports) == 4  # each request: once sent, once answered
+    for report in reports:
+        answered = report["requests"] - report["pending"]
+        assert report["total_tokens"] >= 7 * answered  # no answered request without its usage (7 tokens each)
+    assert [(r["requests"], r["pending"]) for r in reports] == [(1, 1), (1, 0), (2, 1), (2, 0)]
+    assert reports[-1]["cost"] == pytest.approx(0.0002) and reports[-1]["unpriced_requests"] == 0
+
+
 def test_prompt_timeout_fails_row_as_timeout_and_resume_retries(tmp_path, model_server):
     rows = [{"prompt": "@hang 1\nStuck once."}, {"prompt": "Quick."}]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)

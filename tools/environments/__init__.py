@@ -8,6 +8,7 @@ a run uses them, so no run imports an SDK (docker, modal) it does not use.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 # name -> "module:class" (the module relative to this package).
@@ -25,6 +26,7 @@ def backend_choices() -> str:
     return f"{', '.join(most)} or {last}" if most else last
 
 
+@functools.cache  # once per process: every session asks for its environment's class
 def backend_class(name: str):
     """The class of backend `name` (its module is imported now). ValueError if there is none."""
     if name not in BACKENDS:
