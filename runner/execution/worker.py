@@ -215,13 +215,34 @@ def fallback_toolset(distribution: str, unavailable: dict[str, str]) -> str | No
     return max(candidates, key=lambda item: item[1])[0] if candidates else None  # max keeps the first
 
 
-async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
-    """Run one dataset row and return the record to commit (ok, discarded or failed)."""
+class _RowSession:
+    """What a row's session holds until its end: the tools' context and the environment."""
+
+    def __init__(self) -> None:
+        self.ctx: ToolContext | None = None
+        self.env: Any = None
+
+
+async def process_row(task: Task, runtime: WorkerRuntime, deliver: Callable[[dict], None] | None = None) -> dict:
+    """Run one dataset row and return the record to commit (ok, discarded or failed).
+
+    `deliver`, when given, gets the record as soon as it is made, before the session's environment
+    is removed: the removal (a sweep of the process table, the working directory, a container)
+    is then not on the row's way to its commit, and the parent can hand the slot its next row."""
+    held = _RowSession()
+    try:
+        record = await _attempt(task, runtime, held)
+        if deliver is not None:
+            deliver(record)
+        return record
+    finally:
+        await _cleanup(held.ctx, held.env)
+
+
+async def _attempt(task: Task, runtime: WorkerRuntime, held: _RowSession) -> dict:
     config = runtime.config
     started = time.monotonic()
     session: SessionModel | None = None
-    ctx: ToolContext | None = None
-    env = None
     offered: dict[str, Any] = {}  # what the model was offered, for the record of a failure too
     try:
         toolsets = sample_toolsets_from_distribution(config.distribution, rng_for_row(task.seed, task.key))
@@ -240,12 +261,12 @@ async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
         if any(spec.needs_sandbox for spec in tools):
             from tools.environments import create_environment
 
-            env = create_environment(config.tools, task_id=task.task_id, image=task.image, cwd=task.cwd)
-            await asyncio.to_thread(env.start)
-        ctx = ToolContext(env=env, settings=config.tools, model=session, task_id=task.task_id)
+            held.env = create_environment(config.tools, task_id=task.task_id, image=task.image, cwd=task.cwd)
+            await asyncio.to_thread(held.env.start)
+        held.ctx = ToolContext(env=held.env, settings=config.tools, model=session, task_id=task.task_id)
         runtime.log(f"[P{task.index}] toolsets {toolsets}, {len(tools)} tools")
         result = await asyncio.wait_for(
-            run_conversation(task.prompt, model=session, tools=tools, ctx=ctx, config=runtime.loop_config),
+            run_conversation(task.prompt, model=session, tools=tools, ctx=held.ctx, config=runtime.loop_config),
             config.prompt_timeout,
         )
         raw_stats = extract_tool_stats(result.messages)
@@ -259,13 +280,12 @@ async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
         if runtime.scorers:  # before the environment is removed: a verify command sees it
 
             def env_of():
-                nonlocal env
-                if env is None:  # the session ran no command: the verify command gets a fresh environment
+                if held.env is None:  # the session ran no command: the verify command gets a fresh environment
                     from tools.environments import create_environment
 
-                    env = create_environment(config.tools, task_id=task.task_id, image=task.image, cwd=task.cwd)
-                    env.start()
-                return env
+                    held.env = create_environment(config.tools, task_id=task.task_id, image=task.image, cwd=task.cwd)
+                    held.env.start()
+                return held.env
 
             scores = await runtime.score(task, conversation, session, env_of)
         metadata = _metadata(
@@ -308,8 +328,6 @@ async def process_row(task: Task, runtime: WorkerRuntime) -> dict:
         detail = "".join(traceback.format_exception_only(type(err), err)).strip()
         runtime.log(f"[P{task.index}] agent error:\n{traceback.format_exc()}")
         return failed_record(task, config, detail, "agent", started=started, session=session, **offered)
-    finally:
-        await _cleanup(ctx, env)
 
 
 # --- the worker process ---------------------------------------------------------------------
@@ -483,20 +501,28 @@ async def _serve(worker_id: int, config: RunConfig, unavailable: dict, sessions:
                 return
 
     loop.add_signal_handler(CANCEL_SIGNAL, stop_now)
-    # Blocking work (sandbox start, commands, cleanup) runs in threads: one per session, so a
-    # session never waits for another's thread (the default pool has only CPU count + 4).
-    loop.set_default_executor(ThreadPoolExecutor(max_workers=sessions + 4, thread_name_prefix="abr-io"))
+    # Blocking work (sandbox start, commands, cleanup) runs in threads: two per session (a row's
+    # cleanup goes on while the slot's next row starts), so a session never waits for another's
+    # thread (the default pool has only CPU count + 4). Threads start only when needed.
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=2 * sessions + 4, thread_name_prefix="abr-io"))
     threading.Thread(target=read_tasks, name="abr-tasks", daemon=True).start()
     sender = threading.Thread(target=send_results, name="abr-results", daemon=True)
     sender.start()
 
     async def handle(task: Task) -> None:
+        delivered = False
+
+        def deliver(record: dict) -> None:  # before the session's environment is removed
+            nonlocal delivered
+            delivered = True
+            outbox.put(("result", record))
+            journal.finished(task.key)
+
         try:
-            record = await process_row(task, runtime)
+            await process_row(task, runtime, deliver)
         except Exception as err:  # never leave the parent waiting for a row that has no answer
-            record = failed_record(task, config, f"worker error: {type(err).__name__}: {err}", "agent")
-        outbox.put(("result", record))
-        journal.finished(task.key)
+            if not delivered:
+                deliver(failed_record(task, config, f"worker error: {type(err).__name__}: {err}", "agent"))
 
     while True:
         task = await inbox.get()
