@@ -27,12 +27,12 @@ import json
 import os
 import pwd
 import re
+import select
 import shutil
 import signal
 import stat
 import subprocess
 import tempfile
-import threading
 import time
 import uuid
 
@@ -265,18 +265,8 @@ class LocalEnvironment(Backend):
 
     def _finish(self, proc: subprocess.Popen, timeout: float) -> ExecResult:
         capture = OutputCapture(self.config.max_output_chars * 4)  # 4: worst-case UTF-8 bytes per char
-        reader = threading.Thread(target=capture.drain, args=(proc.stdout,), daemon=True)
-        reader.start()
-        timed_out = False
-        try:
-            exit_code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc.pid)  # before wait(): the pid, hence the group id, cannot be recycled yet
-            proc.wait()
-            exit_code = 124
-        # A background child that kept the pipe open must not hold the result back.
-        reader.join(timeout=2 if timed_out else 0.5)
+        with proc.stdout:
+            exit_code, timed_out = _collect_output(proc, capture, timeout)
         if exit_code < 0:  # killed by a signal: report it the way a shell does
             exit_code = 128 - exit_code
         output = truncate_output(capture.text(), self.config.max_output_chars)
@@ -366,6 +356,67 @@ class LocalEnvironment(Backend):
 _NOT_FOUND, _IS_DIR = 3, 4
 _READ_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIR}; [ -e "$1" ] || exit {_NOT_FOUND}; exec head -c "$2" -- "$1"'
 _WRITE_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIR}; mkdir -p -- "$(dirname -- "$1")" && exec cat > "$1"'
+
+
+# After a command exits, output still written to its pipe (a background child holding it open) is
+# read for this long, then the result is returned without waiting for that child.
+LINGER_AFTER_EXIT = 0.5
+LINGER_AFTER_KILL = 2.0  # the same after a timeout killed the command's process group
+
+
+def _collect_output(proc: subprocess.Popen, capture: OutputCapture, timeout: float) -> tuple[int, bool]:
+    """(exit code, timed out) of `proc`, its output read into `capture` meanwhile, all in this
+    thread: one poll over the pipe and a pidfd of the process (no reader thread per command). On
+    a kernel without pidfds (before 5.3) the poll wakes every 50 ms to look at the process, and
+    once the pipe is closed Popen's own wait takes over."""
+    fd = proc.stdout.fileno()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    try:
+        pidfd: int | None = os.pidfd_open(proc.pid)
+        poller.register(pidfd, select.POLLIN)
+    except OSError:
+        pidfd = None
+    code: int | None = None
+    timed_out, reading = False, True
+    end = time.monotonic() + timeout
+    try:
+        while reading or code is None:
+            if code is None and proc.poll() is not None:
+                code, end = proc.returncode, time.monotonic() + LINGER_AFTER_EXIT
+                if pidfd is not None:
+                    poller.unregister(pidfd)
+                continue
+            now = time.monotonic()
+            if now >= end:
+                if code is not None:
+                    break  # it exited; whoever still holds the pipe does not hold the result back
+                timed_out = True
+                _kill_group(proc.pid)  # before wait(): the pid, hence the group id, cannot be recycled yet
+                proc.wait()
+                code, end = 124, time.monotonic() + LINGER_AFTER_KILL
+                if pidfd is not None:
+                    poller.unregister(pidfd)
+                continue
+            if not reading and pidfd is None:  # only its exit is left to wait for, and no pidfd to poll
+                try:
+                    proc.wait(end - now)
+                except subprocess.TimeoutExpired:
+                    pass
+                continue
+            wait = end - now if pidfd is not None or code is not None else min(end - now, 0.05)
+            for ready, _events in poller.poll(wait * 1000):
+                if ready == fd:
+                    chunk = os.read(fd, 65536)
+                    if chunk:
+                        capture.add(chunk)
+                    else:  # end of file: every writer has closed it
+                        reading = False
+                        poller.unregister(fd)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    return code, timed_out
 
 
 @functools.cache

@@ -164,6 +164,29 @@ def test_background_child_does_not_hold_the_result(make_env):
     assert result.output == "quick\n" and time.monotonic() - began < 5
 
 
+@pytest.mark.parametrize("pidfds", ["with pidfds", "on a kernel without pidfds"])
+def test_output_exit_codes_timeouts_and_held_pipes_with_and_without_pidfds(make_env, monkeypatch, pidfds):
+    """A command's output and exit are read in one thread: by polling a pidfd of the process with
+    its pipe, or on an older kernel (pidfd_open failing) by looking at the process meanwhile."""
+    if pidfds != "with pidfds":
+        def no_pidfds(pid):
+            raise OSError(38, "Function not implemented")
+
+        monkeypatch.setattr(os, "pidfd_open", no_pidfds)
+    env = make_env()
+    assert [env.execute(f"echo {i}").output for i in range(20)] == [f"{i}\n" for i in range(20)]
+    began = time.monotonic()
+    result = env.execute("sleep 20 & echo quick; exit 4")  # the child keeps the pipe open
+    assert (result.output, result.exit_code, result.timed_out) == ("quick\n", 4, False)
+    result = env.execute("exec >&-; sleep 0.3; exit 3")  # the pipe closes long before the exit
+    assert (result.output, result.exit_code) == ("", 3)
+    result = env.execute("echo a; sleep 30", timeout=0.5)
+    assert (result.output, result.exit_code, result.timed_out) == ("a\n", 124, True)
+    assert time.monotonic() - began < 8
+    big = env.execute("head -c 3000000 /dev/zero | tr '\\0' x; echo; echo end").output
+    assert big.endswith("end\n") and "omitted" in big
+
+
 def test_secrets_are_not_passed_to_commands(make_env, monkeypatch):
     monkeypatch.setenv("OPENROUTER_API_KEY", "sk-very-secret")
     monkeypatch.setenv("ABR_HARMLESS", "visible")
