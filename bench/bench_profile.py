@@ -3,6 +3,7 @@
 
     python bench/bench_profile.py --preset b           # 16 sessions, 200 ms, 1,000 prompts
     python bench/bench_profile.py --preset zero        # ~0 latency, 2,000 prompts
+    python bench/bench_profile.py --preset c           # 512 sessions, 2 s, 4,000 prompts
     python bench/bench_profile.py --raw saved.txt      # classify a raw py-spy file again
 
 The runner re-executes itself once at start (to take the API key out of its argv), so py-spy is
@@ -35,6 +36,7 @@ from bench_throughput import write_dataset  # noqa: E402
 
 PRESETS = {
     "b": {"sessions": 16, "latency": 0.2, "prompts": 1000},
+    "c": {"sessions": 512, "latency": 2.0, "prompts": 4000},
     "zero": {"sessions": 64, "latency": 0.0, "prompts": 2000},
     "quick": {"sessions": 16, "latency": 0.05, "prompts": 200},
 }

@@ -293,13 +293,19 @@ def _is_time(value: Any) -> bool:
 
 
 def _numbers_fit(value: Any) -> bool:
-    """Every number in a usage (a nested dict or list) is one a record can hold."""
-    if isinstance(value, dict):
-        return all(_numbers_fit(item) for item in value.values())
-    if isinstance(value, list):
-        return all(_numbers_fit(item) for item in value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return _is_number(value)
+    """Every number in a usage (nested dicts and lists, as orjson parses them) is one a record
+    can hold. A loop, not a recursion: it runs for every line of every journal at the end of a
+    run, and no nesting, however deep, can exhaust the stack."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        kind = type(item)
+        if kind is dict:
+            pending.extend(item.values())
+        elif kind is list:
+            pending.extend(item)
+        elif (kind is int or kind is float) and not 0 <= item <= _LARGEST:  # a bool is neither
+            return False
     return True
 
 
