@@ -7,10 +7,12 @@ import base64
 import os
 import secrets
 import tempfile
-
-import httpx
+from typing import TYPE_CHECKING
 
 from tools.registry import ToolContext, ToolSpec
+
+if TYPE_CHECKING:
+    import httpx  # imported where a request is made: heavy (its CLI pulls rich), and most runs never need it
 
 FAL_BASE_URL = "https://fal.run"  # module constant so tests can point it at a local server
 DEFAULT_FAL_MODEL = "fal-ai/flux/schnell"
@@ -100,6 +102,8 @@ async def _openai(client: httpx.AsyncClient, ctx: ToolContext, prompt: str, aspe
 
 
 async def image_generate(args: dict, ctx: ToolContext) -> dict:
+    import httpx
+
     prompt = str(args.get("prompt") or "").strip()
     if not prompt:
         return {"error": "prompt must not be empty"}

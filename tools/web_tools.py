@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from tools.registry import ToolContext, ToolSpec
+
+if TYPE_CHECKING:
+    import httpx  # imported where a request is made: heavy (its CLI pulls rich), and most runs never need it
 
 # Endpoints of the hosted backends (module constants so tests can point them at a local server).
 TAVILY_URL = "https://api.tavily.com/search"
@@ -109,6 +110,8 @@ async def _search(client: httpx.AsyncClient, backend: str, cred: str, query: str
 
 
 async def web_search(args: dict, ctx: ToolContext) -> dict:
+    import httpx
+
     query = str(args.get("query") or "").strip()
     if not query:
         return {"error": "query must not be empty"}
@@ -143,6 +146,8 @@ def _html_to_markdown(html: str) -> tuple[str, str]:
 
 
 async def _extract_one(client: httpx.AsyncClient, url: str, char_limit: int) -> dict:
+    import httpx
+
     if not re.match(r"^https?://", url, re.IGNORECASE):
         return {"url": url, "error": "only http:// and https:// URLs can be extracted"}
     try:
@@ -166,6 +171,8 @@ async def _extract_one(client: httpx.AsyncClient, url: str, char_limit: int) -> 
 
 
 async def web_extract(args: dict, ctx: ToolContext) -> dict:
+    import httpx
+
     urls = args.get("urls")
     if isinstance(urls, str):
         urls = [urls]

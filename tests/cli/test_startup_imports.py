@@ -47,3 +47,14 @@ def test_the_catalogue_alone_loads_no_flag_or_configuration_code(tmp_path):
     proc_with_flags, modules = _imported(["--list_distributions", "--verbose"], tmp_path)
     assert proc_with_flags.returncode == 0 and proc_with_flags.stdout == proc.stdout
     assert "runner.input.flags" in modules
+
+
+def test_the_worker_code_leaves_the_tools_http_client_to_the_tools_that_make_requests(tmp_path):
+    """What the fork server preloads for every run (the worker code, the tool registry and every
+    tool's module) imports no httpx: the web and image tools import it when they make a request
+    (with its command-line extras installed it pulls in rich, about 60 ms at every start)."""
+    code = ("import sys, runner.execution.worker, tools.registry; tools.registry.all_tools(); "
+            "print(sorted(m for m in ('httpx', 'rich') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
