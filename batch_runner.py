@@ -49,6 +49,11 @@ if __name__ == "__main__":  # first thing, before the heavy imports; never when 
         except BrokenPipeError:  # `| head`: the reader has seen what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
+    # The keys leave our environment and argv now, before the imports below: the re-exec that takes
+    # them out (when there are any) would make the new interpreter import all of it a second time.
+    from runner.input.secrets import protect_process_secrets
+
+    protect_process_secrets()
 
 import time
 from pathlib import Path

@@ -35,6 +35,7 @@ _FLAG = re.compile(r"^--?api[_-]key(=|$)")
 _store: dict[str, str] = {}  # name (env var, or --api_key) -> value, for this process
 _known: set[str] = set()  # every value to redact
 _patterns: list[bytes] = []
+_protected = False  # protect_process_secrets() has run in this process
 
 
 def get(name: str) -> str | None:
@@ -144,7 +145,12 @@ def _without_pieces(data, secret, replacement):
 
 def protect_process_secrets() -> None:
     """Take the keys out of this process's environment and argv (re-exec once), keep them here,
-    and redact them from everything printed. Call it before anything else starts."""
+    and redact them from everything printed. Call it before anything else starts; once is enough
+    (a second call does nothing)."""
+    global _protected
+    if _protected:
+        return
+    _protected = True
     handed = os.environ.pop(_HANDOVER_FD, None)
     if handed is not None:
         with os.fdopen(int(handed), "r", encoding="utf-8") as pipe:

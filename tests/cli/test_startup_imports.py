@@ -58,3 +58,18 @@ def test_the_worker_code_leaves_the_tools_http_client_to_the_tools_that_make_req
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"
+
+
+def test_the_keys_leave_before_the_heavy_imports_so_they_are_imported_once(tmp_path):
+    """A key on the command line makes the runner re-execute itself without it: before its imports,
+    or the new interpreter would import the configuration models and the rest a second time."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "batch_runner.py"), f"--dataset_file={data}",
+                           "--batch_size=0", "--run_name=r", "--model=mock", "--api_key=sk-test-abcdefgh"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+    assert proc.returncode == 1 and "batch_size" in proc.stdout + proc.stderr  # the flag check ran, after the re-exec
+    imports = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert imports.count("runner.input.secrets") == 2  # both interpreters: the re-exec happened
+    assert imports.count("runner.input.config") == 1, "the configuration was imported before the re-exec too"
+    assert "sk-test-abcdefgh" not in proc.stdout + proc.stderr
