@@ -72,6 +72,7 @@ class DeathWindow:
 # A second Ctrl-C quits at once, yet reads for up to this long what the workers report while they
 # stop (the requests their sessions sent last), so that every request sent is committed.
 QUIT_REPORT_WAIT = 1.0
+REAPER_WAIT = 60.0  # seconds the end of a run waits for the removal of what dead workers left
 
 
 class ProcessExecutor:
@@ -104,6 +105,7 @@ class ProcessExecutor:
         self.stop_reason: str | None = None  # set when workers keep dying: the run should stop
         self.watcher: SpendWatcher | None = None  # told each request's usage; admits requests (the budget)
         self._late: list[dict] = []  # records that arrived while the workers stopped
+        self._reapers: list[threading.Thread] = []  # removing what dead workers left (shutdown waits)
         self._closed = False
 
     def watch(self, watcher: SpendWatcher) -> None:
@@ -211,7 +213,7 @@ class ProcessExecutor:
             tasks = list(worker.in_flight.values())
             lost.extend(self._unfinished(worker, f"worker process died (exit code {code})", "agent"))
             worker.conn.close()
-            _clean_after_worker(self.config, tasks, self.log)
+            self._reapers.append(_clean_after_worker(self.config, tasks, self.log))
             if self._deaths[worker.slot].record():
                 worker.retired = True
                 self.stop_reason = (
@@ -278,6 +280,17 @@ class ProcessExecutor:
             if not worker.conn.closed:
                 worker.conn.close()
         _stop_fork_server()
+        self._wait_for_reapers()
+
+    def _wait_for_reapers(self) -> None:
+        """What dead workers left (their commands, working directories, containers) is removed
+        before the run ends: a large directory takes seconds, and an exit would cut it short."""
+        deadline = time.monotonic() + REAPER_WAIT
+        for reaper in self._reapers:
+            reaper.join(max(0.0, deadline - time.monotonic()))
+        if any(reaper.is_alive() for reaper in self._reapers):
+            self.log(f"⚠️  Still removing what dead workers left after {REAPER_WAIT:g}s; the next start of "
+                     "this run removes the rest")
 
     def terminate(self) -> None:
         """Signal every worker to cancel its sessions and remove their sandboxes; do not wait for
@@ -307,12 +320,15 @@ def _cancel(worker: _Worker) -> None:
         pass
 
 
-def _clean_after_worker(config: RunConfig, tasks: list[Task], log) -> None:
-    """A dead worker could not clean up after its sessions: do it here, off the dispatch loop."""
+def _clean_after_worker(config: RunConfig, tasks: list[Task], log) -> threading.Thread:
+    """A dead worker could not clean up after its sessions: do it here, off the dispatch loop, in
+    a thread the shutdown waits for."""
     from runner.storage.leftovers import clean_task_leftovers
 
-    threading.Thread(target=clean_task_leftovers, args=(config.tools, [t.task_id for t in tasks], log),
-                     name="abr-reaper", daemon=True).start()
+    reaper = threading.Thread(target=clean_task_leftovers, args=(config.tools, [t.task_id for t in tasks], log),
+                              name="abr-reaper", daemon=True)
+    reaper.start()
+    return reaper
 
 
 def _stop_fork_server() -> None:

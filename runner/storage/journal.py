@@ -277,6 +277,9 @@ def _parsed(raw: bytes) -> Any:
 # What a journal line's numbers may be: a record must hold them (an int of 64 bits at most, a
 # finite float, never negative) and a time must be a date (seconds since 1970, before 2500).
 _LARGEST = 2**63 - 1
+# A usage's counts and cost: far more than any attempt spends, yet a sum of millions of them
+# still fits in 64 bits (one at 2**63 - 1 was counted, and then the run's spend could not be written).
+_USAGE_LIMIT = 10**12
 _LATEST = 16_725_225_600.0
 
 
@@ -293,8 +296,8 @@ def _is_time(value: Any) -> bool:
 
 
 def _numbers_fit(value: Any) -> bool:
-    """Every number in a usage (nested dicts and lists, as orjson parses them) is one a record
-    can hold. A loop, not a recursion: it runs for every line of every journal at the end of a
+    """Every number in a usage (nested dicts and lists, as orjson parses them) is one an
+    attempt can have spent (0 to _USAGE_LIMIT). A loop, not a recursion: it runs for every line of every journal at the end of a
     run, and no nesting, however deep, can exhaust the stack."""
     pending = [value]
     while pending:
@@ -304,7 +307,7 @@ def _numbers_fit(value: Any) -> bool:
             pending.extend(item.values())
         elif kind is list:
             pending.extend(item)
-        elif (kind is int or kind is float) and not 0 <= item <= _LARGEST:  # a bool is neither
+        elif (kind is int or kind is float) and not 0 <= item <= _USAGE_LIMIT:  # a bool is neither
             return False
     return True
 

@@ -266,7 +266,12 @@ class LocalEnvironment(Backend):
     def _finish(self, proc: subprocess.Popen, timeout: float) -> ExecResult:
         capture = OutputCapture(self.config.max_output_chars * 4)  # 4: worst-case UTF-8 bytes per char
         with proc.stdout:
-            exit_code, timed_out = _collect_output(proc, capture, timeout)
+            try:
+                exit_code, timed_out = _collect_output(proc, capture, timeout)
+            except BaseException:  # no command goes on unwatched
+                _kill_group(proc.pid)
+                proc.wait()
+                raise
         if exit_code < 0:  # killed by a signal: report it the way a shell does
             exit_code = 128 - exit_code
         output = truncate_output(capture.text(), self.config.max_output_chars)
@@ -362,6 +367,7 @@ _WRITE_SCRIPT = f'[ -d "$1" ] && exit {_IS_DIR}; mkdir -p -- "$(dirname -- "$1")
 # read for this long, then the result is returned without waiting for that child.
 LINGER_AFTER_EXIT = 0.5
 LINGER_AFTER_KILL = 2.0  # the same after a timeout killed the command's process group
+POLL_STEP = 3600.0  # the longest single wait of the poll (seconds); the loop then looks again
 
 
 def _collect_output(proc: subprocess.Popen, capture: OutputCapture, timeout: float) -> tuple[int, bool]:
@@ -398,13 +404,15 @@ def _collect_output(proc: subprocess.Popen, capture: OutputCapture, timeout: flo
                 if pidfd is not None:
                     poller.unregister(pidfd)
                 continue
+            wait = min(end - now, POLL_STEP)  # poll() takes 24.8 days at most: a longer timeout waits in steps
             if not reading and pidfd is None:  # only its exit is left to wait for, and no pidfd to poll
                 try:
-                    proc.wait(end - now)
+                    proc.wait(wait)
                 except subprocess.TimeoutExpired:
                     pass
                 continue
-            wait = end - now if pidfd is not None or code is not None else min(end - now, 0.05)
+            if pidfd is None and code is None:
+                wait = min(wait, 0.05)
             for ready, _events in poller.poll(wait * 1000):
                 if ready == fd:
                     chunk = os.read(fd, 65536)

@@ -283,3 +283,25 @@ def test_parent_cleans_up_after_a_worker_killed_mid_run(tmp_path, model_server):
     assert proc.returncode == 2, err  # the long row failed with its worker; the others ran
     stats = json.loads((tmp_path / "data" / "p" / "statistics.json").read_text())
     assert stats["outcomes"]["failed"] >= 1 and stats["outcomes"]["ok"] + stats["outcomes"]["failed"] == 7
+
+
+def test_the_dead_workers_workdirs_are_gone_when_the_run_ends_however_large(tmp_path, model_server):
+    """The parent removes a killed worker's working directories in a thread of its own: the run
+    waits for that removal before it exits, or a large directory is left half removed."""
+    marker = f"filled-{os.getpid()}-{time.monotonic_ns()}"
+    fill = "for i in $(seq 1 40); do mkdir d$i; (cd d$i && seq 1 2000 | xargs touch); done"
+    rows = [{"prompt": f'@tool terminal {{"command": "{fill}; touch done; sleep 120 # {marker}"}}\nFill the folder.'}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _start(dataset, model_server, tmp_path, "--num_workers=1")
+    try:
+        assert wait_for(lambda: (tmp_path / "data" / "p" / "config.json").exists(), 60)
+        run_id = _run_id(tmp_path / "data" / "p")
+        filled = lambda: [p for p in Path(tempfile.gettempdir()).glob(f"{run_id}-p0-*") if (p / "done").exists()]  # noqa: E731
+        assert wait_for(filled, 120)
+        workdirs = filled()
+        _workers(proc.pid)[0].kill()
+        out, err = proc.communicate(timeout=180)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 2, err  # its only row failed with its worker
+    assert [p for p in workdirs if p.exists()] == [], "the run ended before the dead worker's workdir was removed"

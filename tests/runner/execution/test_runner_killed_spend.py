@@ -203,3 +203,28 @@ def test_a_report_after_the_runner_was_killed_rewrites_status_json_to_agree_with
     assert status["rows"]["total"] == stats["total_prompts"] == 16 and status["rows"]["in_flight"] == 0
     assert status["rows"]["kept"] == outcomes["ok"] and status["rows"]["remaining"] == outcomes["failed"] + outcomes["not_run"]
     assert status["spend"]["known_usd"] == pytest.approx(stats["spend"]["all"]["known_cost"])
+
+
+def test_a_journal_whose_numbers_no_sum_can_hold_is_skipped_not_a_run_that_can_never_resume(tmp_path, model_server):
+    """A usage at the top of the 64-bit range (or a cost of 9e18 dollars) is no usage a worker
+    wrote: added to the run's spend it could not be written again, and every resume died on it."""
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"@cost {COST}\nRow {i}."} for i in range(2)])
+    first = _cli(tmp_path, model_server)
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_dir = tmp_path / "data" / "r"
+    line = json.loads((run_dir / "batch_0.jsonl").read_text().splitlines()[0])
+    key = line["metadata"]["row_key"]
+    header = json.dumps({"journal": 1, "run_id": "zz", "model": "m", "t": time.time()})
+    start = json.dumps({"start": {"key": key, "index": line["prompt_index"], "id": "", "attempt": 1, "prompt": "p"}})
+    for name, usage in [("big", {"requests": 2**63 - 1, "by_model": [], "pending": 0}),
+                        ("dear", {"requests": 1, "cost": 9e18, "by_model": [], "pending": 0})]:
+        (run_dir / f".spend_{name}_1_0.journal").write_text(
+            header.replace('"zz"', f'"{name}"') + "\n" + start + "\n" + json.dumps({"k": key, "a": 1, "t": 1.0, "u": usage}) + "\n")
+    for _ in range(2):  # and the next resume too
+        done = _cli(tmp_path, model_server, "--resume")
+        said = done.stdout + done.stderr
+        assert done.returncode == 0 and "Traceback" not in said and "Fatal error" not in said, said
+        assert "Recorded from the workers' journals" not in said, said
+    assert _recorded_requests(tmp_path) == model_server.count() == 2  # nothing of the planted lines counted
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["spend"]["all"]["requests"] == 2 and stats["spend"]["all"]["cost"] == pytest.approx(2 * COST)

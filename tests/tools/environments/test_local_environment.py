@@ -187,6 +187,13 @@ def test_output_exit_codes_timeouts_and_held_pipes_with_and_without_pidfds(make_
     assert big.endswith("end\n") and "omitted" in big
 
 
+@pytest.mark.parametrize("timeout", [3e6, 1e10, float("inf")])
+def test_a_timeout_of_days_or_more_is_a_timeout_that_does_not_come(make_env, timeout):
+    """poll() takes at most INT_MAX milliseconds (24.8 days): a longer timeout waits in steps."""
+    result = make_env().execute("sleep 0.2; echo hi", timeout=timeout)
+    assert (result.output, result.exit_code, result.timed_out) == ("hi\n", 0, False)
+
+
 def test_secrets_are_not_passed_to_commands(make_env, monkeypatch):
     monkeypatch.setenv("OPENROUTER_API_KEY", "sk-very-secret")
     monkeypatch.setenv("ABR_HARMLESS", "visible")
