@@ -297,8 +297,8 @@ def _is_time(value: Any) -> bool:
 
 def _numbers_fit(value: Any) -> bool:
     """Every number in a usage (nested dicts and lists, as orjson parses them) is one an
-    attempt can have spent (0 to _USAGE_LIMIT). A loop, not a recursion: it runs for every line of every journal at the end of a
-    run, and no nesting, however deep, can exhaust the stack."""
+    attempt can have spent (0 to _USAGE_LIMIT). A loop, not a recursion: it runs for every line
+    of every journal at the end of a run, and no nesting, however deep, can exhaust the stack."""
     pending = [value]
     while pending:
         item = pending.pop()

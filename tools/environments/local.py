@@ -269,8 +269,9 @@ class LocalEnvironment(Backend):
             try:
                 exit_code, timed_out = _collect_output(proc, capture, timeout)
             except BaseException:  # no command goes on unwatched
-                _kill_group(proc.pid)
-                proc.wait()
+                if proc.returncode is None:  # not reaped yet, so its group id is no one else's
+                    _kill_group(proc.pid)
+                    proc.wait()
                 raise
         if exit_code < 0:  # killed by a signal: report it the way a shell does
             exit_code = 128 - exit_code
