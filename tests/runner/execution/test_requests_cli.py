@@ -248,7 +248,10 @@ def test_endpoint_lost_mid_run_stops_the_run_as_a_provider_error(tmp_path, model
     assert time.monotonic() - started < 120
     lines = _batch_lines(tmp_path)
     failed = [r for r in lines if r.get("failed")]
-    assert failed and {r["error_class"] for r in failed} == {"connection"}
+    assert failed and {r["error_class"] for r in failed if r["error_class"] != "interrupted"} == {"connection"}
+    # A request the stopping server took in and never answered (seen once in three CI runs) keeps
+    # its row in flight past the grace period: that row is abandoned, its request counted.
+    assert all("grace period ended" in r["error"] for r in failed if r["error_class"] == "interrupted")
     # It stopped starting rows instead of failing the dataset: at most the window (3 rows) plus the
     # rows in flight with it (3 sessions) failed, however many rows had finished before the loss.
     assert len(failed) <= 3 + 3
