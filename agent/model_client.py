@@ -1,7 +1,7 @@
 """Access to an OpenAI-compatible chat endpoint, with the run's only retry layer.
 
-One `ModelClient` per worker process and endpoint: it owns the `AsyncOpenAI` client (created
-once, SDK retries off), the retry policy (Retry-After and x-ratelimit-reset* honoured,
+One `ModelClient` per worker process and endpoint: it owns the way requests go (`EndpointPost`:
+plain HTTP to a local http:// endpoint, else the OpenAI SDK's transport, SDK retries off), the retry policy (Retry-After and x-ratelimit-reset* honoured,
 exponential backoff with full jitter, a bounded total wait), an adaptive cap on requests in
 flight (halved on bursts of 429, recovered slowly) and an optional requests-per-minute pace.
 `SessionModel` is the per-prompt view of it that also sums usage and retries for the row.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import email.utils
 import http.client
 import random
@@ -41,7 +42,7 @@ import orjson
 from agent.plain_http import HTTPProtocolError, PlainHttpPost, ReplyTooLarge, ServerDisconnectedError
 from agent.pricing import Prices, request_cost
 from agent.usage import Usage
-from agent.types import REQUEST_TIMEOUT, ModelReply, ProviderError
+from agent.types import REQUEST_TIMEOUT, ModelReply, ProviderError, RequestFailed, StatusError
 
 _QUOTA_CODES = ("insufficient_quota", "insufficient_credits", "billing_hard_limit_reached")
 
@@ -367,155 +368,94 @@ def reply_from_completion(completion: Any) -> ModelReply:
     )
 
 
-def _response_type() -> type:
-    """The HTTP response class of the SDK's transport: as `cast_to`, the SDK returns the raw
-    response (its errors and retries-off still apply), so headers can be read."""
-    try:
-        import httpx2
-
-        return httpx2.Response
-    except ImportError:  # SDKs built on httpx
-        import httpx
-
-        return httpx.Response
-
-
-_RESPONSE_TYPE = _response_type()
-
-
 MAX_REPLY_BYTES = 16 * 1024 * 1024  # a model reply, decoded; real replies are a few kB to a few hundred
 
 
-async def _read_bounded(response: Any) -> None:
-    """Read the body before the SDK does, stopping at MAX_REPLY_BYTES of decoded bytes, so a huge
-    reply or a compression bomb costs at most that much memory (the transport decodes gzip itself,
-    chunk by chunk). What was read becomes the response's content, as a full read would make it."""
-    chunks, size = [], 0
-    async for chunk in response.aiter_bytes():
-        size += len(chunk)
-        if size > MAX_REPLY_BYTES:
-            await response.aclose()
-            raise ReplyTooLarge(f"the reply is larger than the {MAX_REPLY_BYTES // 2**20} MiB limit of a model reply "
-                                f"(reading stopped there; HTTP {response.status_code}, "
-                                f"{response.headers.get('content-type') or 'no content type'})")
-        chunks.append(chunk)
-    response._content = b"".join(chunks)  # the transport's own cache of a read body (no public setter)
+def _proxied(hostname: str) -> bool:
+    proxies = urllib.request.getproxies()
+    return ("http" in proxies or "all" in proxies) and not urllib.request.proxy_bypass(hostname)
 
 
-def _http_client(openai: Any, connections: int) -> Any:
-    """The SDK's aiohttp transport when installed (the default dependency set): it spends about a
-    third less CPU per request than the httpx one, which is what bounds sessions per process.
-    Redirects are followed the transport's way: the key is dropped when one leads to another
-    origin (host, port or scheme), only an upgrade from http to https on the same host keeps it."""
-    hooks = {"response": [_read_bounded]}
+def _safe_header(value: str) -> bool:
+    """A value a header line can carry as it is (the SDK's transport refuses the others itself)."""
+    return "\r" not in value and "\n" not in value and value.isprintable() and value.isascii()
+
+
+def plain_post_for(base_url: str | None, api_key: str | None) -> PlainHttpPost | None:
+    """The plain path to `{base_url}/chat/completions` when it can serve it: an http:// URL that
+    no proxy of the environment stands before, and a key a header carries as it is. None: the
+    SDK's transport serves the endpoint (agent/sdk_transport.py)."""
+    parts = urllib.parse.urlsplit(base_url or "")
+    key = api_key or "no-key"
+    if parts.scheme != "http" or not parts.hostname or _proxied(parts.hostname) or not _safe_header(key):
+        return None
     try:
-        return openai.DefaultAioHttpClient(event_hooks=hooks)
-    except (AttributeError, RuntimeError):  # an SDK without aiohttp support, or aiohttp missing
-        import httpx
+        port = parts.port or 80
+    except ValueError:  # a port that is no number: the SDK says so
+        return None
+    headers = [("Authorization", f"Bearer {key}"), ("Content-Type", "application/json"), ("Accept", "application/json"),
+               ("User-Agent", USER_AGENT), ("Accept-Encoding", "identity")]
+    # What the SDK would send besides, from the same environment variables.
+    for name, variable in (("OpenAI-Organization", "OPENAI_ORG_ID"), ("OpenAI-Project", "OPENAI_PROJECT_ID")):
+        value = os.environ.get(variable)
+        if value and _safe_header(value):
+            headers.append((name, value))
+    path = parts.path.rstrip("/") + "/chat/completions" + (f"?{parts.query}" if parts.query else "")
+    return PlainHttpPost(parts.hostname, port, path, headers, MAX_REPLY_BYTES)
 
-        # One connection per session in flight: a larger pool only costs expiry checks per request.
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        return openai.DefaultAsyncHttpxClient(limits=limits, event_hooks=hooks)
+
+USER_AGENT = "agent-batch-runner (OpenAI-compatible client)"
 
 
-class DirectPost:
-    """POST /chat/completions with the SDK's errors, but without its per-request option models
-    and request builder, which cost more CPU than the transport.
+def needs_sdk(base_url: str | None, api_key: str | None) -> bool:
+    """Will requests to this endpoint go by the SDK's transport (no plain path serves it)?"""
+    return plain_post_for(base_url, api_key) is None
 
-    The first request that gets an answer goes the SDK's whole way; its URL and headers (key,
-    client and platform headers, as the SDK built them) are kept. Every later request is sent
-    with them: to a plain `http://` endpoint with no proxy and no redirect on the way, by
-    `PlainHttpPost` (about a third of the CPU per request); to any other, by the SDK's own
-    HTTP client (same transport, redirects with the key dropped on the way to another origin,
-    decoding and response hook). A transport error becomes the SDK's timeout or connection error
-    (the cause kept), an HTTP error status the SDK's status error, as the SDK itself raises them.
-    An SDK without these pieces always goes its own way.
-    """
 
-    def __init__(self, openai: Any, sdk: Any, http: Any):
-        self._openai, self._sdk, self._http = openai, sdk, http
-        self._url: Any = None
-        self._headers: dict[str, str] | None = None
-        self._extensions: dict = {}  # the request's timeouts, as the SDK set them
-        self._plain: PlainHttpPost | None = None
-        try:
-            from openai._httpx2 import request_exceptions, timeout_exceptions
+class EndpointPost:
+    """POST /chat/completions to the run's endpoint, one way or the other.
 
-            self._timeouts, self._failures = timeout_exceptions(), request_exceptions()
-            self._usable = hasattr(sdk, "_make_status_error_from_response") and hasattr(http, "build_request")
-        except ImportError:
-            self._usable = False
+    To a plain `http://` endpoint with no proxy on the way (a local server: llama.cpp, vLLM,
+    LiteLLM, the test servers), by `PlainHttpPost`: one write of bytes and one future a request,
+    about a third of the SDK transport's CPU, and no SDK loaded at all. To any other, and after a
+    redirect (the plain path follows none: it is given up, and the SDK follows it its way, the key
+    dropped on the way to another origin), by the OpenAI SDK's transport (agent/sdk_transport.py).
+    An error status comes out as a StatusError, a request without an answer as a RequestFailed
+    (the cause chained), whichever way it went."""
+
+    def __init__(self, base_url: str | None, api_key: str | None, *, timeout: float, connections: int):
+        self._plain = plain_post_for(base_url, api_key)
+        self._sdk: Any = None
+        self._sdk_args = (base_url, api_key)
+        self._timeout, self._connections = timeout, connections
 
     async def post(self, body: dict) -> Any:
-        if self._headers is None:
-            response = await self._sdk.post("/chat/completions", body=body, cast_to=_RESPONSE_TYPE)
-            # Only the first answer teaches: a later one (a session's first request, sent while
-            # none had come back) would start the plain path over and strand its connections.
-            if self._usable and self._headers is None:
-                self._learn(response.history[0].request if response.history else response.request,
-                            redirected=bool(response.history))
-            return response
-        content = orjson.dumps(body)
         if self._plain is not None:
-            response = await self._post_plain(content)
+            response = await self._post_plain(orjson.dumps(body))
             if not 300 <= response.status_code < 400:
                 return response
-            # A redirect: the SDK's transport follows it its way (and the plain path is given up).
             self._plain.close()
             self._plain = None
-        request = self._http.build_request("POST", self._url, content=content, headers=self._headers,
-                                           extensions=dict(self._extensions))
-        openai = self._openai
-        try:
-            response = await self._http.send(request)
-        except self._timeouts as err:
-            raise openai.APITimeoutError(request=request) from err
-        except openai.OpenAIError:
-            raise
-        except self._failures as err:
-            raise openai.APIConnectionError(request=request) from err
-        if response.status_code >= 400:
-            if not response.is_closed:
-                await response.aread()
-            raise self._sdk._make_status_error_from_response(response) from None
-        return response
+        if self._sdk is None:
+            from agent.sdk_transport import SdkPost
+
+            self._sdk = SdkPost(*self._sdk_args, timeout=self._timeout, connections=self._connections)
+        return await self._sdk.post(body)
 
     async def _post_plain(self, content: bytes) -> Any:
         try:
             response = await self._plain.post(content)
         except (OSError, ServerDisconnectedError, HTTPProtocolError) as err:
-            raise self._openai.APIConnectionError(request=self._sdk_request()) from err
+            raise RequestFailed(f"connection error: {err}") from err
         if response.status_code >= 400:
-            # The body is decoded already: a Content-Encoding left on would make the SDK's response decode it again.
-            headers = [(k, v) for k, v in response.raw_headers if k.lower() != "content-encoding"]
-            sdk_response = _RESPONSE_TYPE(response.status_code, headers=headers, content=response.content,
-                                          request=self._sdk_request())
-            raise self._sdk._make_status_error_from_response(sdk_response) from None
+            raise StatusError(response.status_code, response.headers, response.content)
         return response
 
-    def _sdk_request(self) -> Any:
-        """The request as the SDK's transport would have built it, for the SDK's errors."""
-        return self._http.build_request("POST", self._url, headers=self._headers)
-
-    def _learn(self, request: Any, redirected: bool) -> None:
-        self._url = request.url
-        # What the URL and the body set is set again for each request; an idempotency key is one request's own.
-        per_body = {"host", "content-length", "transfer-encoding", "idempotency-key"}
-        self._headers = {k: v for k, v in request.headers.items() if k.lower() not in per_body}
-        self._extensions = {k: v for k, v in request.extensions.items() if k == "timeout"}
-        parts = urllib.parse.urlsplit(str(request.url))
-        proxies = urllib.request.getproxies()
-        proxied = ("http" in proxies or "all" in proxies) and not urllib.request.proxy_bypass(parts.hostname or "")
-        if parts.scheme == "http" and parts.hostname and not redirected and not proxied:
-            # The connection is the client's own: compression costs CPU at both ends for a few kB.
-            headers = [(k, v) for k, v in self._headers.items() if k.lower() not in ("accept-encoding", "connection")]
-            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            self._plain = PlainHttpPost(parts.hostname, parts.port or 80, path, [*headers, ("Accept-Encoding", "identity")],
-                                        MAX_REPLY_BYTES)
-
-    def close(self) -> None:
+    async def close(self) -> None:
         if self._plain is not None:
             self._plain.close()
+        if self._sdk is not None:
+            await self._sdk.close()
 
 
 class ModelClient:
@@ -532,19 +472,8 @@ class ModelClient:
         prompt_caching: str = "auto",  # on | off | auto (see wants_prompt_caching)
         stop_after_unpriced: bool = False,  # a budget without prices: no request after a reply without a cost
     ):
-        import openai
-
         self.policy = policy or RetryPolicy()
-        self._openai = openai
-        http = _http_client(openai, max_in_flight)
-        self._client = openai.AsyncOpenAI(
-            base_url=base_url,
-            api_key=api_key or "no-key",
-            max_retries=0,  # this class is the only retry layer
-            timeout=self.policy.request_timeout,
-            http_client=http,
-        )
-        self._direct = DirectPost(openai, self._client, http)
+        self._direct = EndpointPost(base_url, api_key, timeout=self.policy.request_timeout, connections=max_in_flight)
         self.endpoint = _host_of(base_url)
         self.base_url = base_url
         self.prompt_caching = prompt_caching
@@ -564,7 +493,6 @@ class ModelClient:
         extra_body: dict | None = None,
         stats: CallStats | None = None,
     ) -> ModelReply:
-        openai = self._openai
         policy = self.policy
         if wants_prompt_caching(self.prompt_caching, model, self.base_url):
             messages = with_cache_breakpoints(messages)
@@ -590,13 +518,13 @@ class ModelClient:
                     reply = await self._request(body, model, stats)
                 self.limiter.on_success()
                 return reply
-            except openai.APIStatusError as err:
+            except StatusError as err:
                 message, codes = _error_fields(err)
                 error_class, retryable = classify_status(err.status_code, codes)
                 failure = f"HTTP {err.status_code}: {message or '(no message)'}{_status_hint(err.status_code, body)}"
                 if err.status_code == 429:
                     self.limiter.on_throttled()
-                requested = server_requested_delay(getattr(err.response, "headers", None))
+                requested = server_requested_delay(err.headers)
                 if not retryable:
                     raise ProviderError(failure, error_class, err.status_code) from None
                 status = err.status_code
@@ -604,17 +532,17 @@ class ModelClient:
                 raise ProviderError(str(err), "provider") from None
             except asyncio.TimeoutError:
                 failure, status = f"request timed out after {policy.request_timeout:g}s", None
-            except (openai.APITimeoutError, openai.APIConnectionError) as err:
+            except RequestFailed as err:
                 # The aiohttp transport reports a refused connection or a failed DNS lookup as a
                 # timeout: the cause chain says what really happened.
                 unreachable = connection_failure(err)
                 if unreachable:
                     failure, status = f"cannot reach {self.endpoint}: {unreachable}", None
-                elif isinstance(err, openai.APITimeoutError):
+                elif err.timeout:
                     failure, status = f"request timed out after {policy.request_timeout:g}s", None
                 else:
-                    failure, status = f"connection error: {err.__cause__ or err}", None
-            except (ValueError, TypeError, openai.APIResponseValidationError) as err:
+                    failure, status = str(err), None
+            except (ValueError, TypeError) as err:
                 failure, status = f"malformed response: {err}", None
             if attempt == policy.max_attempts:
                 break
@@ -656,7 +584,7 @@ class ModelClient:
             reply = reply_from_completion(orjson.loads(response.content))
             reply.usage["cost"] = reported_cost(reply.usage, response.headers)
             self.unpriced_reply = self.unpriced_reply or (self.stop_after_unpriced and reply.usage["cost"] is None)
-        except self._openai.APIStatusError:
+        except StatusError:
             if stats is not None:
                 stats.answered_without_charge(model)
             raise
@@ -669,8 +597,7 @@ class ModelClient:
         return reply
 
     async def close(self) -> None:
-        self._direct.close()
-        await self._client.close()
+        await self._direct.close()
 
 
 ANSWERS_HTML = "the endpoint answers HTML, not an OpenAI-compatible API"
@@ -801,8 +728,7 @@ def _status_hint(status: int, body: dict) -> str:
 
 def _error_fields(err: Any) -> tuple[str, tuple[str, ...]]:
     """The error's message, and its `code` and `type` strings (lower case) when the body has them."""
-    response = getattr(err, "response", None)
-    if response is not None and _is_html(response.headers.get("content-type"), response.content):
+    if _is_html(err.headers.get("content-type"), err.content):
         return ANSWERS_HTML, ()  # the page itself says nothing the user needs
     body = getattr(err, "body", None)
     inner = body.get("error", body) if isinstance(body, dict) else None

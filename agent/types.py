@@ -43,3 +43,44 @@ class ModelMisbehaved(ProviderError):
     def __init__(self, message: str, dropped_replies: list[dict]):
         super().__init__(message, "model")
         self.dropped_replies = list(dropped_replies)
+
+
+class StatusError(Exception):
+    """The endpoint answered an HTTP error status (4xx or 5xx), read as the OpenAI SDK reads one:
+    `body` is the JSON's `error` object (or the whole JSON, or the text when it is no JSON),
+    `message` "Error code: N", with " - <the error's message>" when the body has one."""
+
+    _UNREAD = object()
+
+    def __init__(self, status_code: int, headers: Any, content: bytes, *, body: Any = _UNREAD,
+                 message: str | None = None):
+        self.status_code, self.headers, self.content = status_code, headers, content
+        if body is StatusError._UNREAD:
+            body, message = _error_body(status_code, content)
+        self.body = body
+        self.message = message or f"Error code: {status_code}"
+        super().__init__(self.message)
+
+
+def _error_body(status_code: int, content: bytes) -> tuple[Any, str]:
+    import json
+
+    text = content.decode("utf-8", errors="replace").strip()
+    message = f"Error code: {status_code}"
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return text, message
+    inner = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
+    if isinstance(inner, dict) and isinstance(inner.get("message"), str) and inner["message"]:
+        message += f" - {inner['message']}"
+    return inner, message
+
+
+class RequestFailed(Exception):
+    """A request that got no answer: the connection failed or was lost (the cause chained), or
+    the transport's own timeout (`timeout`)."""
+
+    def __init__(self, message: str, *, timeout: bool = False):
+        super().__init__(message)
+        self.timeout = timeout

@@ -32,7 +32,7 @@ from runner.console import plural
 from runner.execution.group_signals import CANCEL_SIGNAL, spawning_shielded
 from runner.execution.executor import SpendWatcher
 from runner.execution.task import Task
-from runner.execution.worker import failed_record, send_message, worker_main
+from runner.execution.worker import WorkerRuntime, failed_record, send_message, worker_main
 from runner.storage.records import row_key_of
 from agent.usage import Usage
 
@@ -94,11 +94,12 @@ class ProcessExecutor:
         # model SDK per run instead of one per process, and workers ready sooner.
         self._ctx = mp.get_context("forkserver")
         # shielded first: the fork server and its workers ignore a signal sent to the whole group.
-        # httpcore2 and truststore: what the SDK imports when a worker builds its HTTP client
+        # The SDK only when a worker will use it (an https endpoint, a proxy: agent/model_client.py),
+        # with httpcore2 and truststore, what it imports when a worker builds its HTTP client
         # (about 50 ms a worker otherwise, each time, before its first row); a module missing
         # from an SDK version is skipped by the fork server.
-        self._ctx.set_forkserver_preload(["runner.execution.shielded", "runner.execution.worker",
-                                          "agent.model_client", "openai", "httpcore2", "truststore"])
+        sdk = ["agent.sdk_transport", "httpcore2", "truststore"] if WorkerRuntime.needs_sdk(config) else []
+        self._ctx.set_forkserver_preload(["runner.execution.shielded", "runner.execution.worker", *sdk])
         self.workers: list[_Worker] = []
         self._reading = False  # a pipe is being read (see _drain)
         self._deaths = [DeathWindow(self.CRASH_LOOP_DEATHS, self.CRASH_LOOP_WINDOW) for _ in self.slot_plan]

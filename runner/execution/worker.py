@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from agent.loop import LoopConfig, run_conversation
-from agent.model_client import CallStats, ModelClient, RetryPolicy, SessionModel
+from agent.model_client import CallStats, ModelClient, RetryPolicy, SessionModel, needs_sdk
 from agent.trajectory import extract_reasoning_stats, extract_tool_stats, normalise_tool_stats, to_sharegpt
 from agent.types import ProviderError
 from agent.usage import Usage
@@ -93,6 +93,15 @@ class WorkerRuntime:
                            requests_per_minute=self.rate_share,  # its own endpoint, paced as the run's
                            policy=RetryPolicy(request_timeout=config.request_timeout),
                            stop_after_unpriced=config.max_cost is not None and config.request_prices is None)
+
+    @staticmethod
+    def needs_sdk(config: RunConfig) -> bool:
+        """Does a worker of this run load the OpenAI SDK (an endpoint the plain path cannot serve)?"""
+        key = config.api_key.get_secret_value() if config.api_key else None
+        urls = [] if config.model == "mock" else [config.base_url]
+        if "judge" in config.scorer:
+            urls.append(config.judge_base_url or config.base_url)
+        return any(needs_sdk(url, key) for url in urls)
 
     def _share_unpriced(self) -> None:
         """A budget without prices stops at the first reply without a cost, the judge's (on an

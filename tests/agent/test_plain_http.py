@@ -1,6 +1,6 @@
-"""The plain-HTTP path of the model client (agent/plain_http.py): every request after the first
-to an http:// endpoint. Each test warms a client up with one request (the SDK's way, which
-teaches the path its URL and headers), then sends what it tests through the plain path."""
+"""The plain-HTTP path of the model client (agent/plain_http.py): every request to an http://
+endpoint that no proxy stands before, the first one too. Each test warms a client up with one
+request, then sends what it tests through the plain path."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _after_warm_up(base_url, prompts, policy=None, check=None):
     return asyncio.run(go())
 
 
-def test_the_plain_path_sends_what_the_sdk_sent_and_keeps_its_connection(model_server):
+def test_the_plain_path_sends_the_same_headers_each_time_and_keeps_its_connection(model_server):
     (reply, stats), = _after_warm_up(model_server.base_url, ["hi"] * 1)
     more = _after_warm_up(model_server.base_url, ["again"] * 10)
     assert reply.content and stats.requests == 1 and all(r.content for r, _ in more)
@@ -51,8 +51,9 @@ def test_the_plain_path_sends_what_the_sdk_sent_and_keeps_its_connection(model_s
     assert second.headers["authorization"] == first.headers["authorization"] == "Bearer sk-plain-test"
     same = {k for k in first.headers if k not in ("content-length", "accept-encoding", "connection")}
     assert {k: second.headers.get(k) for k in same} == {k: first.headers[k] for k in same}
-    # Two clients, 13 requests: the SDK's connection and one of the plain path's for each client.
-    assert model_server.connections_accepted <= 4
+    # Two clients, 13 requests: one connection of the plain path's for each client.
+    assert model_server.connections_accepted <= 2
+    assert first.headers["content-type"] == "application/json" and first.headers["accept-encoding"] == "identity"
 
 
 def test_error_statuses_keep_their_headers_and_classes(model_server):
@@ -171,9 +172,9 @@ def test_framings_a_real_server_may_use():
         replies = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1", "2", "3", "4", "5", "6", "7"])
         assert [r.content for r, _ in replies] == ["chunked", "after 100", "gzipped", "closing", "new connection",
                                                    "until close", "last"]
-        # The SDK's own; the plain path's first, closed by "Connection: close"; its second, closed by
-        # the HTTP/1.0 answer; its third for the last request.
-        assert server.connections == 4
+        # The plain path's first, closed by "Connection: close"; its second, closed by the
+        # HTTP/1.0 answer; its third for the last request.
+        assert server.connections == 3
     finally:
         server.close()
 
@@ -310,7 +311,7 @@ def test_a_server_ending_its_lines_with_a_bare_lf_is_read_as_the_sdk_reads_it():
         policy = RetryPolicy(max_attempts=1, request_timeout=5)
         replies = _after_warm_up(f"http://127.0.0.1:{server.port}/v1", ["1", "2", "3"], policy=policy)
         assert [getattr(r, "content", r) for r, _ in replies] == ["length", "chunked", "crlf again"]
-        assert server.connections == 2  # the SDK's and one of the plain path's: every framing was kept
+        assert server.connections == 1  # every framing was kept
     finally:
         server.close()
 
@@ -376,9 +377,8 @@ def test_deflate_bodies_zlib_wrapped_or_raw():
 
 
 def test_no_connection_is_left_open_when_first_requests_answer_one_after_another(model_server):
-    # Every session's first request goes the SDK's way; the first answer teaches the plain path,
-    # which is then used while slower first requests are still out. Their answers must not start
-    # the plain path over and strand the connections it already has.
+    # Sessions whose first requests answer one after another, each then sending another: every
+    # connection the plain path opened is closed with the client.
     async def go():
         client = ModelClient(model_server.base_url, "k", policy=RetryPolicy(base_delay=0.05))
 
@@ -408,3 +408,24 @@ def test_a_request_in_flight_when_the_client_closes_leaves_no_connection_open(mo
 
     asyncio.run(go())
     assert wait_for(lambda: not model_server._connections, 3), f"{len(model_server._connections)} left open"
+
+
+def test_the_plain_path_serves_only_what_it_can_send_as_it_is(monkeypatch):
+    from agent.model_client import plain_post_for
+
+    monkeypatch.delenv("http_proxy", raising=False)
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("all_proxy", raising=False)
+    monkeypatch.delenv("ALL_PROXY", raising=False)
+    plain = plain_post_for("http://127.0.0.1:8080/v1/?api-version=2", "sk-1")
+    assert plain is not None
+    head = plain._head.decode()
+    assert head.startswith("POST /v1/chat/completions?api-version=2 HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n")
+    assert "Authorization: Bearer sk-1\r\n" in head
+    # A key that would end the header line (and start another), or that a header cannot carry:
+    # the SDK's transport gets the endpoint, and refuses such a key itself.
+    for key in ("sk-1\r\nX-Injected: 1", "sk-1\nX", "clé"):
+        assert plain_post_for("http://127.0.0.1:8080/v1", key) is None, key
+    assert plain_post_for("https://api.example.com/v1", "sk-1") is None
+    assert plain_post_for("http://127.0.0.1:notaport/v1", "sk-1") is None
+    assert plain_post_for(None, "sk-1") is None
