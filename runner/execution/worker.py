@@ -271,7 +271,10 @@ async def _attempt(task: Task, runtime: WorkerRuntime, held: _RowSession) -> dic
             from tools.environments import create_environment
 
             held.env = create_environment(config.tools, task_id=task.task_id, image=task.image, cwd=task.cwd)
-            await asyncio.to_thread(held.env.start)
+            if getattr(held.env, "quick_start", False):
+                held.env.start()
+            else:
+                await asyncio.to_thread(held.env.start)
         held.ctx = ToolContext(env=held.env, settings=config.tools, model=session, task_id=task.task_id)
         runtime.log(f"[P{task.index}] toolsets {toolsets}, {len(tools)} tools")
         result = await asyncio.wait_for(

@@ -99,6 +99,10 @@ class Backend:
     # found before the run (docker). The other container backends fail such a row when it starts.
     rows_need_image = False
 
+    # True: start() only makes a directory or two (no process, no network), so the session calls
+    # it where it runs instead of in a thread (a hand-off to a thread costs twice the work).
+    quick_start = False
+
     # The backend's pydantic config. It derives from the sections of tools/settings.py whose
     # options the backend takes (CommandOptions, ContainerOptions, ...): from_settings copies them
     # from the run's settings by name, so an option is declared once, in its section.

@@ -115,6 +115,10 @@ class LocalEnvironment(Backend):
                 for folder in task_workdirs(settings.workdir_root, workdir_prefix(task_id)):
                     clear_set_id_bits(folder)
 
+    @property
+    def quick_start(self) -> bool:  # type: ignore[override]
+        return not self.config.sandbox  # bwrap starts a sandbox process
+
     def start(self) -> None:
         cfg = self.config
         if cfg.sandbox not in (None, "bwrap"):

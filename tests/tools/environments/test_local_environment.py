@@ -207,6 +207,19 @@ def test_unknown_sandbox_is_refused(tmp_path):
         LocalEnvironment(LocalConfig(task_id="t", workdir_root=str(tmp_path), sandbox="firejail")).start()
 
 
+def test_only_a_start_without_a_sandbox_is_called_in_the_event_loop(tmp_path):
+    """Without bwrap, start() makes a directory (the session calls it where it runs, no thread);
+    with it, start() launches the sandbox's process and goes to a thread (runner/execution/worker.py)."""
+    plain = LocalEnvironment(LocalConfig(task_id="t", workdir_root=str(tmp_path)))
+    sandboxed = LocalEnvironment(LocalConfig(task_id="t", workdir_root=str(tmp_path), sandbox="bwrap"))
+    assert plain.quick_start and not sandboxed.quick_start
+    try:
+        plain.start()
+        assert os.path.isdir(plain.workdir) and plain.workdir.startswith(str(tmp_path))
+    finally:
+        plain.cleanup()
+
+
 def test_missing_bwrap_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setattr("tools.environments.local.shutil.which", lambda name: None)
     env = LocalEnvironment(LocalConfig(task_id="t", workdir_root=str(tmp_path), sandbox="bwrap"))
