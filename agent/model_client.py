@@ -381,17 +381,27 @@ def _safe_header(value: str) -> bool:
     return "\r" not in value and "\n" not in value and value.isprintable() and value.isascii()
 
 
+def _plain_text(text: str) -> bool:
+    """Printable ASCII without spaces: what a request line carries as it is (no escaping needed)."""
+    return all("!" <= char <= "~" for char in text)
+
+
 def plain_post_for(base_url: str | None, api_key: str | None) -> PlainHttpPost | None:
     """The plain path to `{base_url}/chat/completions` when it can serve it: an http:// URL that
-    no proxy of the environment stands before, and a key a header carries as it is. None: the
-    SDK's transport serves the endpoint (agent/sdk_transport.py)."""
+    no proxy of the environment stands before, whose host, port, path and query a request line
+    carries as they are (no user info, nothing to escape), and a key a header carries as it is.
+    None: the SDK's transport serves the endpoint (agent/sdk_transport.py), and says what it
+    makes of the rest."""
     parts = urllib.parse.urlsplit(base_url or "")
     key = api_key or "no-key"
-    if parts.scheme != "http" or not parts.hostname or _proxied(parts.hostname) or not _safe_header(key):
+    if parts.scheme != "http" or not parts.hostname or "@" in parts.netloc or not _safe_header(key) \
+            or not _plain_text(parts.netloc + parts.path + parts.query):
         return None
     try:
-        port = parts.port or 80
-    except ValueError:  # a port that is no number: the SDK says so
+        port = 80 if parts.port is None else parts.port
+    except ValueError:  # a port that is no number or out of range
+        return None
+    if port == 0 or _proxied(parts.hostname):
         return None
     headers = [("Authorization", f"Bearer {key}"), ("Content-Type", "application/json"), ("Accept", "application/json"),
                ("User-Agent", USER_AGENT), ("Accept-Encoding", "identity")]
@@ -430,21 +440,24 @@ class EndpointPost:
         self._timeout, self._connections = timeout, connections
 
     async def post(self, body: dict) -> Any:
-        if self._plain is not None:
-            response = await self._post_plain(orjson.dumps(body))
+        plain = self._plain
+        if plain is not None:
+            response = await self._post_plain(plain, orjson.dumps(body))
             if not 300 <= response.status_code < 400:
                 return response
-            self._plain.close()
-            self._plain = None
+            if self._plain is plain:  # the sessions that met the redirect meanwhile found it given up
+                plain.close()
+                self._plain = None
         if self._sdk is None:
             from agent.sdk_transport import SdkPost
 
             self._sdk = SdkPost(*self._sdk_args, timeout=self._timeout, connections=self._connections)
         return await self._sdk.post(body)
 
-    async def _post_plain(self, content: bytes) -> Any:
+    @staticmethod
+    async def _post_plain(plain: PlainHttpPost, content: bytes) -> Any:
         try:
-            response = await self._plain.post(content)
+            response = await plain.post(content)
         except (OSError, ServerDisconnectedError, HTTPProtocolError) as err:
             raise RequestFailed(f"connection error: {err}") from err
         if response.status_code >= 400:

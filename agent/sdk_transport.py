@@ -22,6 +22,13 @@ try:
 except ImportError:  # SDKs built on httpx
     import httpx as _httpx
 
+try:
+    import aiohttp
+
+    _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, _httpx.TransportError)
+except ImportError:
+    _TRANSPORT_ERRORS = (_httpx.TransportError,)
+
 # As `cast_to`, the SDK returns the raw HTTP response (its errors and retries-off still apply),
 # so headers can be read.
 _RESPONSE_TYPE = _httpx.Response
@@ -108,6 +115,8 @@ class SdkPost:
             raise RequestFailed(f"connection error: {err.__cause__ or err}") from err
         except openai.APIResponseValidationError as err:
             raise ValueError(str(err)) from err
+        except _TRANSPORT_ERRORS as err:  # what the transport raised and the SDK let through (a bad status line)
+            raise RequestFailed(f"connection error: {err}") from err
 
     async def _post(self, body: dict) -> Any:
         if self._headers is None:

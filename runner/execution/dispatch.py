@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from runner.console import Log, plural
+from runner.input.secrets import redact
 
 FATAL_CLASSES = ("auth", "quota")  # a provider that refuses the key or the account refuses every row
 FIRST_ROWS = 3  # finished rows that, all discarded by the no-reasoning filter, warrant a warning
@@ -182,6 +183,9 @@ class Dispatcher:
                 if cls in FATAL_CLASSES and not repeated:
                     repeated = ("fatal_provider", f"the provider refused the request ({cls}): {record['error']}")
                 if repeated and not self.stops.requested:
+                    # The cause quotes a provider's error, and some echo the key they refused: it
+                    # reaches statistics.json and report.html, which no other redaction passes.
+                    repeated = (repeated[0], redact(repeated[1]))
                     self.stops.request(*repeated)
                     self.log(f"⛔ {repeated[1]}\n   No new prompts will be started.")
             elif self.config.verbose:

@@ -429,3 +429,65 @@ def test_the_plain_path_serves_only_what_it_can_send_as_it_is(monkeypatch):
     assert plain_post_for("https://api.example.com/v1", "sk-1") is None
     assert plain_post_for("http://127.0.0.1:notaport/v1", "sk-1") is None
     assert plain_post_for(None, "sk-1") is None
+
+
+def test_sessions_meeting_a_redirect_together_all_go_the_sdk_way(model_server):
+    """Sessions waiting on the plain path when one of them meets a redirect get theirs too: each
+    hands its request to the SDK's transport, none finds the plain path gone under it."""
+    from tests.helpers.model_server import ModelServer, Reply
+
+    target = f"{model_server.base_url}/chat/completions"
+
+    def redirect(body, state):
+        return Reply(status=307, body="", headers={"Location": target}, latency=0.3)
+
+    async def go(base_url):
+        client = ModelClient(base_url, "k", policy=RetryPolicy(base_delay=0.05, max_attempts=1))
+        try:
+            return await asyncio.gather(*(client.complete([{"role": "user", "content": f"s{i}"}], model="m")
+                                          for i in range(6)), return_exceptions=True)
+        finally:
+            await client.close()
+
+    with ModelServer(policy=redirect) as redirecting:
+        replies = asyncio.run(go(redirecting.base_url))
+    assert all(getattr(r, "content", None) for r in replies), replies
+    assert model_server.count() == 6
+
+
+def test_a_url_the_request_line_cannot_carry_as_it_is_goes_the_sdk_way(monkeypatch):
+    from agent.model_client import plain_post_for
+
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    for url in ("http://127.0.0.1:8080/v 1", "http://127.0.0.1:8080/v1?a=b c", "http://127.0.0.1:8080/vé",
+                "http://127.0.0.1:8080/v€", "http://user:pw@127.0.0.1:8080/v1", "http://127.0.0.1:0/v1",
+                "http://127.0.0.1:65536/v1", "http://exämple.test/v1"):
+        assert plain_post_for(url, "k") is None, url
+    assert plain_post_for("http://127.0.0.1/v1", "k").port == 80
+    assert plain_post_for("http://127.0.0.1:8080/v%201", "k") is not None  # escaped already: sent as it is
+
+
+def test_a_bad_answer_through_the_sdk_transport_is_a_failed_request_retried(monkeypatch):
+    """Bytes that are no HTTP response, met on the SDK's way (here through a proxy), are a request
+    without an answer, retried as on the plain path: never the transport's own exception."""
+    server = _RawServer([b"XYZ garbage\r\n\r\n"] * 4, close_after=True)
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{server.port}")
+    monkeypatch.setenv("no_proxy", "")
+
+    async def go():
+        client = ModelClient("http://127.0.0.1:9/v1", "k", policy=RetryPolicy(base_delay=0.01, max_attempts=2))
+        stats = CallStats()
+        try:
+            await client.complete([{"role": "user", "content": "hi"}], model="m", stats=stats)
+        except ProviderError as err:
+            return err, stats
+        finally:
+            await client.close()
+
+    try:
+        err, stats = asyncio.run(go())
+    finally:
+        server.close()
+    assert isinstance(err, ProviderError) and err.error_class in ("provider", "connection"), err
+    assert "after 2 attempt(s)" in str(err) and stats.retries == 1 and stats.requests == 2

@@ -115,3 +115,25 @@ def test_one_success_between_failures_keeps_the_run_going(tmp_path, model_server
     proc = _run(tmp_path, dataset, remote_args, "--num_workers=1", "--keep_no_reasoning", timeout=200)
     assert proc.returncode == 2, proc.stdout + proc.stderr  # every row ran: failures were never 3 in a row
     assert len(_batch_lines(tmp_path)) == 12
+
+
+def test_a_refusal_that_echoes_the_key_leaves_it_in_no_file_of_the_run(tmp_path):
+    """Some providers quote the key they refused in the error ("Incorrect API key provided: ...").
+    The run stops on the 401, and its cause, that error, reaches statistics.json and report.html
+    (and the console) with the key redacted, as in the batch files."""
+
+    def refuse(body, state):
+        return Reply(status=401, body=error_body(401, f"Incorrect API key provided: Bearer {SECRET_KEY}"))
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows("Row one.", "Row two."))
+    with ModelServer(policy=refuse) as server:
+        proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--model=m",
+                        "--distribution=terminal_only", f"--base_url={server.base_url}", f"--api_key={SECRET_KEY}"],
+                       tmp_path)
+    assert proc.returncode != 0 and "Incorrect API key provided" in proc.stdout + proc.stderr
+    assert SECRET_KEY not in proc.stdout + proc.stderr
+    stats = (tmp_path / "data" / "r" / "statistics.json").read_text()
+    assert "Incorrect API key provided: Bearer [REDACTED]" in stats
+    written = {p.name: p.read_bytes() for p in (tmp_path / "data" / "r").rglob("*") if p.is_file()}
+    assert {"statistics.json", "report.html"} <= set(written)
+    assert [name for name, data in written.items() if SECRET_KEY.encode() in data] == []
