@@ -694,7 +694,9 @@ def probe_endpoint(base_url: str, api_key: str | None, timeout: float = 10.0) ->
     """One cheap request (GET {base_url}/models) before a run starts: None when the endpoint
     answers (any HTTP status but 401/403: some servers have no /models), else what is wrong
     (no connection, a refused key, a web page instead of an API, or no answer within `timeout`)."""
-    request = urllib.request.Request(base_url.rstrip("/") + "/models", method="GET")
+    parts = urllib.parse.urlsplit(base_url)  # the path gets /models, a query string stays a query string
+    url = urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/models", fragment=""))
+    request = urllib.request.Request(url, method="GET")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     opener = urllib.request.build_opener(_KeyStaysHome)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import urllib.parse
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import orjson
@@ -221,6 +222,15 @@ class RunConfig(BaseModel):
 
         if value not in DISTRIBUTIONS:
             raise ValueError(f"unknown --distribution={value!r}; available: {', '.join(sorted(DISTRIBUTIONS))}")
+        return value
+
+    @field_validator("base_url", "judge_base_url")
+    @classmethod
+    def _no_credentials_in_the_url(cls, value: str | None, info) -> str | None:
+        # The URL is written to config.json and shown in messages; a key has its own flag, never written.
+        if value and "@" in urllib.parse.urlsplit(value).netloc:
+            raise ValueError(f"--{info.field_name}: a user name or password in the URL would be written to config.json "
+                             "and shown in messages; give the endpoint's key with --api_key (or OPENAI_API_KEY) instead")
         return value
 
     @field_validator("max_samples", mode="before")

@@ -137,3 +137,27 @@ def test_a_refusal_that_echoes_the_key_leaves_it_in_no_file_of_the_run(tmp_path)
     written = {p.name: p.read_bytes() for p in (tmp_path / "data" / "r").rglob("*") if p.is_file()}
     assert {"statistics.json", "report.html"} <= set(written)
     assert [name for name, data in written.items() if SECRET_KEY.encode() in data] == []
+
+
+def test_a_query_string_in_the_base_url_stays_on_every_request(tmp_path, model_server):
+    """Some gateways want one (`?api-version=...`): the probe and the chat requests keep it after
+    their own path, which the SDK itself would put after the query instead."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows("Row one."))
+    proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--model=m",
+                    "--distribution=terminal_only", f"--base_url={model_server.base_url}?api-version=2",
+                    f"--api_key={SECRET_KEY}"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [p.path for p in model_server.probes] == ["/v1/models?api-version=2"]
+    assert {r.path for r in model_server.requests} == {"/v1/chat/completions?api-version=2"}
+
+
+def test_credentials_in_the_base_url_are_refused_before_anything_is_written(tmp_path, model_server):
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows("Row one."))
+    url = model_server.base_url.replace("http://", "http://user:pa55word@")
+    for flag in (f"--base_url={url}", f"--judge_base_url={url}"):
+        proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--model=m", "--scorer=judge",
+                        f"--base_url={model_server.base_url}", flag, f"--api_key={SECRET_KEY}"], tmp_path)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert f"--{flag[2:].split('=')[0]}: a user name or password in the URL" in proc.stderr
+        assert "pa55word" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "data").exists() and model_server.count() == 0
