@@ -1,9 +1,10 @@
 """Access to an OpenAI-compatible chat endpoint, with the run's only retry layer.
 
 One `ModelClient` per worker process and endpoint: it owns the way requests go (`EndpointPost`:
-plain HTTP to a local http:// endpoint, else the OpenAI SDK's transport, SDK retries off), the retry policy (Retry-After and x-ratelimit-reset* honoured,
-exponential backoff with full jitter, a bounded total wait), an adaptive cap on requests in
-flight (halved on bursts of 429, recovered slowly) and an optional requests-per-minute pace.
+plain HTTP to a local http:// endpoint, else the OpenAI SDK's transport with its retries off),
+the retry policy (Retry-After and x-ratelimit-reset* honoured, exponential backoff with full
+jitter, a bounded total wait), an adaptive cap on requests in flight (halved on bursts of 429,
+recovered slowly) and an optional requests-per-minute pace.
 `SessionModel` is the per-prompt view of it that also sums usage and retries for the row.
 
 Usage of one reply (`ModelReply.usage`): prompt, completion, reasoning, cached and total tokens,
@@ -22,10 +23,10 @@ budget; everything else is `provider`.
 from __future__ import annotations
 
 import asyncio
-import math
-import os
 import email.utils
 import http.client
+import math
+import os
 import random
 import re
 import socket
@@ -369,6 +370,7 @@ def reply_from_completion(completion: Any) -> ModelReply:
 
 
 MAX_REPLY_BYTES = 16 * 1024 * 1024  # a model reply, decoded; real replies are a few kB to a few hundred
+USER_AGENT = "agent-batch-runner (OpenAI-compatible client)"  # the plain path's
 
 
 def _proxied(hostname: str) -> bool:
@@ -412,9 +414,6 @@ def plain_post_for(base_url: str | None, api_key: str | None) -> PlainHttpPost |
             headers.append((name, value))
     path = parts.path.rstrip("/") + "/chat/completions" + (f"?{parts.query}" if parts.query else "")
     return PlainHttpPost(parts.hostname, port, path, headers, MAX_REPLY_BYTES)
-
-
-USER_AGENT = "agent-batch-runner (OpenAI-compatible client)"
 
 
 def needs_sdk(base_url: str | None, api_key: str | None) -> bool:
