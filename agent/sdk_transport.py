@@ -15,7 +15,7 @@ import orjson
 
 from agent.model_client import MAX_REPLY_BYTES
 from agent.plain_http import ReplyTooLarge
-from agent.types import RequestFailed, StatusError
+from agent.types import ProviderError, RequestFailed, StatusError
 
 try:
     import httpx2 as _httpx
@@ -26,8 +26,22 @@ try:
     import aiohttp
 
     _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, _httpx.TransportError)
+    _REDIRECT_LOOPS: tuple[type[BaseException], ...] = (aiohttp.TooManyRedirects, _httpx.TooManyRedirects)
 except ImportError:
     _TRANSPORT_ERRORS = (_httpx.TransportError,)
+    _REDIRECT_LOOPS = (_httpx.TooManyRedirects,)
+
+
+def _redirect_loop(err: BaseException) -> BaseException | None:
+    """The transport's "too many redirects" in an error's cause chain, if it is there."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, _REDIRECT_LOOPS):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 # As `cast_to`, the SDK returns the raw HTTP response (its errors and retries-off still apply),
 # so headers can be read.
@@ -111,12 +125,14 @@ class SdkPost:
             raise _status_error(err) from None
         except openai.APITimeoutError as err:
             raise RequestFailed("request timed out", timeout=True) from err
-        except openai.APIConnectionError as err:
+        except (openai.APIConnectionError, *_TRANSPORT_ERRORS) as err:  # the transport's own: a bad status line
+            loop = _redirect_loop(err)
+            if loop is not None:  # asked again it would loop again, each hop a request: the row fails here
+                raise ProviderError(f"the endpoint's redirects never end ({loop}); check --base_url",
+                                    "provider") from None
             raise RequestFailed(f"connection error: {err.__cause__ or err}") from err
         except openai.APIResponseValidationError as err:
             raise ValueError(str(err)) from err
-        except _TRANSPORT_ERRORS as err:  # what the transport raised and the SDK let through (a bad status line)
-            raise RequestFailed(f"connection error: {err}") from err
 
     async def _post(self, body: dict) -> Any:
         if self._headers is None:

@@ -491,3 +491,25 @@ def test_a_bad_answer_through_the_sdk_transport_is_a_failed_request_retried(monk
         server.close()
     assert isinstance(err, ProviderError) and err.error_class in ("provider", "connection"), err
     assert "after 2 attempt(s)" in str(err) and stats.retries == 1 and stats.requests == 2
+
+
+def test_a_redirect_loop_fails_the_request_once_without_retries():
+    """Redirects that never end would end the same way when asked again, each hop a request the
+    endpoint gets: the row fails at the first, with what happened named."""
+    from tests.helpers.model_server import ModelServer
+
+    async def go(base_url):
+        client = ModelClient(base_url, "k", policy=RetryPolicy(base_delay=0.01, max_attempts=4))
+        stats = CallStats()
+        try:
+            await client.complete([{"role": "user", "content": "hi"}], model="m", stats=stats)
+        except ProviderError as err:
+            return err, stats
+        finally:
+            await client.close()
+
+    with ModelServer() as server:
+        server.redirect_to = server.root_url  # every request is sent back to where it came
+        err, stats = asyncio.run(go(server.base_url))
+    assert isinstance(err, ProviderError) and err.error_class == "provider", err
+    assert "redirects never end" in str(err) and stats.retries == 0 and stats.requests == 1
