@@ -371,6 +371,7 @@ def reply_from_completion(completion: Any) -> ModelReply:
 
 MAX_REPLY_BYTES = 16 * 1024 * 1024  # a model reply, decoded; real replies are a few kB to a few hundred
 USER_AGENT = "agent-batch-runner (OpenAI-compatible client)"  # the plain path's
+REDIRECT_LOOP = "the endpoint's redirects never end"  # how a row's error starts (a run stops on it)
 
 
 def _proxied(hostname: str) -> bool:

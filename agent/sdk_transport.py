@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import orjson
 
-from agent.model_client import MAX_REPLY_BYTES
+from agent.model_client import MAX_REPLY_BYTES, REDIRECT_LOOP
 from agent.plain_http import ReplyTooLarge
 from agent.types import ProviderError, RequestFailed, StatusError
 
@@ -128,8 +128,7 @@ class SdkPost:
         except (openai.APIConnectionError, *_TRANSPORT_ERRORS) as err:  # the transport's own: a bad status line
             loop = _redirect_loop(err)
             if loop is not None:  # asked again it would loop again, each hop a request: the row fails here
-                raise ProviderError(f"the endpoint's redirects never end ({loop}); check --base_url",
-                                    "provider") from None
+                raise ProviderError(f"{REDIRECT_LOOP} ({loop}); check --base_url", "provider") from None
             raise RequestFailed(f"connection error: {err.__cause__ or err}") from err
         except openai.APIResponseValidationError as err:
             raise ValueError(str(err)) from err

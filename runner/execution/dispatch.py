@@ -249,7 +249,7 @@ class Dispatcher:
 def every_request_failed_as(error: str) -> str | None:
     """The failure a row's error names, as one name for all rows that failed the same way ("HTTP
     500 to every request"), or None for a failure that is not the endpoint's answer."""
-    from agent.model_client import ANSWERS_HTML
+    from agent.model_client import ANSWERS_HTML, REDIRECT_LOOP
 
     if ANSWERS_HTML in error:
         return ANSWERS_HTML.removeprefix("the endpoint ")
@@ -262,6 +262,8 @@ def every_request_failed_as(error: str) -> str | None:
         return "answers no request within --request_timeout"
     if error.startswith("the reply is larger than"):
         return "sends replies larger than a model reply may be"
+    if error.startswith(REDIRECT_LOOP):
+        return "redirects every request in a loop"
     return None
 
 

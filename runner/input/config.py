@@ -243,6 +243,11 @@ class RunConfig(BaseModel):
         from runner.input.secrets import check_header_safe
 
         check_header_safe("the API key (--api_key, OPENROUTER_API_KEY or OPENAI_API_KEY)", self.api_key)
+        key = self.api_key.get_secret_value() if self.api_key else ""
+        for name in ("base_url", "judge_base_url"):
+            if key and key in (getattr(self, name) or ""):  # a gateway's ?key=...: the URL is written to config.json
+                raise ValueError(f"--{name} holds the API key, and the URL is written to config.json and shown in "
+                                 "messages; give the key with --api_key (or OPENAI_API_KEY) only")
         return self
 
     @model_validator(mode="after")

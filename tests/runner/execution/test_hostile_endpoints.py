@@ -161,3 +161,26 @@ def test_credentials_in_the_base_url_are_refused_before_anything_is_written(tmp_
         assert f"--{flag[2:].split('=')[0]}: a user name or password in the URL" in proc.stderr
         assert "pa55word" not in proc.stdout + proc.stderr
     assert not (tmp_path / "data").exists() and model_server.count() == 0
+
+
+def test_the_api_key_in_the_base_url_is_refused_before_anything_is_written(tmp_path, model_server):
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows("Row one."))
+    proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--model=m",
+                    f"--base_url={model_server.base_url}?key={SECRET_KEY}", f"--api_key={SECRET_KEY}"], tmp_path)
+    assert proc.returncode == 1 and "--base_url holds the API key" in proc.stderr, proc.stdout + proc.stderr
+    assert SECRET_KEY not in proc.stdout + proc.stderr
+    assert not (tmp_path / "data").exists() and model_server.count() == 0
+
+
+def test_a_redirect_loop_fails_each_row_at_once_and_stops_the_run(tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", _rows(*(f"Row {i}." for i in range(12))))
+    with ModelServer() as server:
+        server.redirect_to = server.root_url  # every request is sent back to where it came
+        proc = run_cli([f"--dataset_file={dataset}", "--run_name=r", "--batch_size=5", "--model=m", "--num_workers=4",
+                        "--distribution=terminal_only", f"--base_url={server.base_url}", "--api_key=sk-x"], tmp_path,
+                       timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "redirects every request in a loop" in proc.stderr
+    lines = _batch_lines(tmp_path)
+    assert lines and all(line["error"].startswith("the endpoint's redirects never end") for line in lines)
+    assert all(line["metadata"]["usage"]["retries"] == 0 for line in lines) and len(lines) < 12
