@@ -474,19 +474,8 @@ def test_a_bad_answer_through_the_sdk_transport_is_a_failed_request_retried(monk
     server = _RawServer([b"XYZ garbage\r\n\r\n"] * 4, close_after=True)
     monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{server.port}")
     monkeypatch.setenv("no_proxy", "")
-
-    async def go():
-        client = ModelClient("http://127.0.0.1:9/v1", "k", policy=RetryPolicy(base_delay=0.01, max_attempts=2))
-        stats = CallStats()
-        try:
-            await client.complete([{"role": "user", "content": "hi"}], model="m", stats=stats)
-        except ProviderError as err:
-            return err, stats
-        finally:
-            await client.close()
-
     try:
-        err, stats = asyncio.run(go())
+        err, stats = _failure_of("http://127.0.0.1:9/v1", attempts=2)
     finally:
         server.close()
     assert isinstance(err, ProviderError) and err.error_class in ("provider", "connection"), err
@@ -498,8 +487,18 @@ def test_a_redirect_loop_fails_the_request_once_without_retries():
     endpoint gets: the row fails at the first, with what happened named."""
     from tests.helpers.model_server import ModelServer
 
-    async def go(base_url):
-        client = ModelClient(base_url, "k", policy=RetryPolicy(base_delay=0.01, max_attempts=4))
+    with ModelServer() as server:
+        server.redirect_to = server.root_url  # every request is sent back to where it came
+        err, stats = _failure_of(server.base_url, attempts=4)
+    assert isinstance(err, ProviderError) and err.error_class == "provider", err
+    assert "redirects never end" in str(err) and stats.retries == 0 and stats.requests == 1
+
+
+def _failure_of(base_url: str, attempts: int) -> tuple[ProviderError, CallStats]:
+    """The ProviderError one request to `base_url` ends with, after at most `attempts` attempts."""
+
+    async def go():
+        client = ModelClient(base_url, "k", policy=RetryPolicy(base_delay=0.01, max_attempts=attempts))
         stats = CallStats()
         try:
             await client.complete([{"role": "user", "content": "hi"}], model="m", stats=stats)
@@ -507,9 +506,6 @@ def test_a_redirect_loop_fails_the_request_once_without_retries():
             return err, stats
         finally:
             await client.close()
+        raise AssertionError("the request succeeded")
 
-    with ModelServer() as server:
-        server.redirect_to = server.root_url  # every request is sent back to where it came
-        err, stats = asyncio.run(go(server.base_url))
-    assert isinstance(err, ProviderError) and err.error_class == "provider", err
-    assert "redirects never end" in str(err) and stats.retries == 0 and stats.requests == 1
+    return asyncio.run(go())
