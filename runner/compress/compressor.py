@@ -101,9 +101,11 @@ class Compressor:
 
     # -- one row, with the model ------------------------------------------------------------
 
-    async def _summarise(self, pending: Pending, summariser: Summariser) -> Entry:
+    async def _summarise(self, pending: Pending, summariser: Summariser, journal: Journal) -> Entry:
         row, region = pending.row, pending.region
-        stats = CallStats(prices=self.prices)
+        # Each change of the row's spend is journaled as it happens (before a request is sent):
+        # a SIGKILL loses no request already paid for.
+        stats = CallStats(prices=self.prices, listener=lambda s: journal.spending(row.key, s.as_dict()))
         total, n = sum(pending.counts), len(row.turns)
         failure = error = ""
         try:
@@ -142,7 +144,7 @@ class Compressor:
             for item in queue:  # one iterator shared by the workers: each row is taken once
                 if self.stopping:
                     return
-                entry = await self._summarise(item, summariser)
+                entry = await self._summarise(item, summariser, journal)
                 journal.add(entry)  # committed before it is counted
                 on_done(entry)
 
@@ -151,7 +153,7 @@ class Compressor:
 
         def interrupt() -> None:
             self.stopping = self.stopping or "interrupted"
-            workers.cancel()  # the rows in flight are not in the journal: --resume does them again
+            workers.cancel()  # the rows in flight have only their spend in the journal: --resume does them again
 
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, interrupt)

@@ -8,6 +8,10 @@ loses at most the rows in flight; it is fsynced at most FSYNC_EVERY seconds late
 journal is closed), so a crash of the machine itself loses at most that last second of rows, and
 a summary request waits for no disk. A torn last line (killed mid-write) is dropped when the
 journal is read.
+A row's requests are journaled as they go too: an `in_flight` line (no output row) with what the
+row has spent so far, written before each request is sent and after each reply, which the row's
+final line replaces. A SIGKILL then loses no request already sent: --resume counts the spend of a
+row cut off in flight (a request without its reply at an unknown cost) and asks for it again.
 `--resume` keeps the compressed rows (never asked for again) and retries the failed ones; the
 journal is removed once the output is written whole. The compression writing it holds a lock on it
 (flock, released by the kernel however the process ends), so a second compression of the same output
@@ -28,6 +32,7 @@ from runner.compress.options import same_fingerprint
 from runner.storage.atomic import private_opener
 
 JOURNAL_SUFFIX = ".progress"
+IN_FLIGHT = "in_flight"  # a row's spend while its requests go, replaced by its final line
 FSYNC_EVERY = 1.0  # seconds
 
 
@@ -68,7 +73,8 @@ class Journal:
 
     def _refuse_unless(self, resume: bool) -> None:
         if not resume:
-            done = sum(1 for line in self.path.read_bytes().splitlines()[1:] if line.strip())
+            done = sum(1 for line in self.path.read_bytes().splitlines()[1:]
+                       if line.strip() and f'"status":"{IN_FLIGHT}"'.encode() not in line)
             raise JournalError(f"{self.path} holds an interrupted compression of this output ({done} rows done): run "
                                "again with --resume to finish it without paying for those rows again, or delete it "
                                "to start over")
@@ -107,14 +113,22 @@ class Journal:
             raise JournalError(f"{self.path} was written with other options ({', '.join(changed)} "
                                "differ): give the same ones to --resume, or delete it to start over")
         good = len(lines[0]) + 1
+        in_flight: dict[str, int] = {}  # key -> where in earlier_usage its latest in-flight spend is
         for line in lines[1:]:
             try:
                 data = orjson.loads(line)
                 entry = Entry(str(data["key"]), str(data["status"]), dict(data["usage"]), orjson.dumps(data["row"]))
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
                 break  # a torn last line (killed mid-write): that row is simply done again
-            self.entries[entry.key] = entry
-            self.earlier_usage.append(entry.usage)
+            place = in_flight.pop(entry.key, None)
+            if place is None:
+                place = len(self.earlier_usage)
+                self.earlier_usage.append(entry.usage)
+            self.earlier_usage[place] = entry.usage  # the row's spend so far replaces what it had journaled
+            if entry.status == IN_FLIGHT:
+                in_flight[entry.key] = place
+            else:
+                self.entries[entry.key] = entry
             good += len(line) + 1
         if repair and good < len(b"\n".join(lines)):
             with open(self.path, "r+b") as handle:  # appending after a torn line would glue two lines
@@ -134,6 +148,12 @@ class Journal:
             os.fsync(self._handle.fileno())
             self._synced = time.monotonic()
         self.entries[entry.key] = entry
+
+    def spending(self, key: str, usage: dict) -> None:
+        """What the row `key` has spent so far, its requests still going (handed to the kernel
+        before the request it counts is sent)."""
+        self._handle.write(orjson.dumps({"key": key, "status": IN_FLIGHT, "usage": usage, "row": None}) + b"\n")
+        self._handle.flush()
 
     def close(self) -> None:
         if self._handle is not None:
