@@ -11,7 +11,8 @@ journal is read.
 A row's requests are journaled as they go too: an `in_flight` line (no output row) with what the
 row has spent so far, written before each request is sent and after each reply, which the row's
 final line replaces. A SIGKILL then loses no request already sent: --resume counts the spend of a
-row cut off in flight (a request without its reply at an unknown cost) and asks for it again.
+row cut off in flight (a request without its reply at an unknown cost), closes it with a `cut_off`
+line (so the row's next attempt journals a spend of its own) and asks for it again.
 `--resume` keeps the compressed rows (never asked for again) and retries the failed ones; the
 journal is removed once the output is written whole. The compression writing it holds a lock on it
 (flock, released by the kernel however the process ends), so a second compression of the same output
@@ -33,6 +34,9 @@ from runner.storage.atomic import private_opener
 
 JOURNAL_SUFFIX = ".progress"
 IN_FLIGHT = "in_flight"  # a row's spend while its requests go, replaced by its final line
+# The final line a resume writes for a row it found in flight: its spend stays counted, and the
+# row's new attempt journals lines of its own (which must not replace that spend).
+CUT_OFF = "cut_off"
 FSYNC_EVERY = 1.0  # seconds
 
 
@@ -55,6 +59,7 @@ class Journal:
     earlier_usage: list[dict] = field(default_factory=list)  # every entry's usage, the replaced ones too
     _handle: object = None
     _synced: float = 0.0
+    _in_flight: dict[str, int] = field(default_factory=dict)  # read: rows cut off in flight (see _read)
 
     @staticmethod
     def path_for(output: Path) -> Path:
@@ -73,8 +78,9 @@ class Journal:
 
     def _refuse_unless(self, resume: bool) -> None:
         if not resume:
+            unfinished = (f'"status":"{IN_FLIGHT}"'.encode(), f'"status":"{CUT_OFF}"'.encode())
             done = sum(1 for line in self.path.read_bytes().splitlines()[1:]
-                       if line.strip() and f'"status":"{IN_FLIGHT}"'.encode() not in line)
+                       if line.strip() and not any(mark in line for mark in unfinished))
             raise JournalError(f"{self.path} holds an interrupted compression of this output ({done} rows done): run "
                                "again with --resume to finish it without paying for those rows again, or delete it "
                                "to start over")
@@ -91,6 +97,10 @@ class Journal:
             if path.stat().st_size:
                 journal._refuse_unless(resume)
                 journal._read(fingerprint)
+                journal._handle = handle
+                for key, place in journal._in_flight.items():
+                    journal.add(Entry(key, CUT_OFF, journal.earlier_usage[place], b"null"))
+                journal._in_flight = {}
             else:
                 handle.write(orjson.dumps({"fingerprint": fingerprint}) + b"\n")
                 handle.flush()
@@ -113,7 +123,7 @@ class Journal:
             raise JournalError(f"{self.path} was written with other options ({', '.join(changed)} "
                                "differ): give the same ones to --resume, or delete it to start over")
         good = len(lines[0]) + 1
-        in_flight: dict[str, int] = {}  # key -> where in earlier_usage its latest in-flight spend is
+        in_flight = self._in_flight  # key -> where in earlier_usage its latest in-flight spend is
         for line in lines[1:]:
             try:
                 data = orjson.loads(line)

@@ -161,3 +161,23 @@ def test_a_second_compression_of_the_same_output_is_refused_while_the_first_runs
         assert process.returncode == 0, err
         assert server.count() == ROWS  # each row asked for once
     assert [r["metadata"]["row_key"] for r in read_jsonl(work / "runs_compressed.jsonl")] == [f"r{i}" for i in range(ROWS)]
+
+
+def test_rows_cut_off_in_flight_twice_are_paid_for_once_each_time(work):
+    """SIGKILL with summaries in flight, --resume, SIGKILL again with the same rows in flight
+    again, then --resume to the end: every request the endpoint got is counted, the cut-off
+    ones of both kills included (the second attempt of a row must not replace the first's spend)."""
+    with ModelServer(policy=slow_summaries) as server:
+        for extra in ((), ("--resume",)):
+            before = server.count()
+            process = start(work, server, *extra)
+            wait_for(lambda: server.count() >= before + 2 or process.poll() is not None, 60, step=0.02)
+            process.kill()
+            process.wait(timeout=30)
+        resumed = start(work, server, "--resume")
+        _, err = resumed.communicate(timeout=120)
+        assert resumed.returncode == 0, err
+        total = server.count()
+    metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
+    assert metrics["summariser"]["requests"] == total
+    assert [r["metadata"]["row_key"] for r in read_jsonl(work / "runs_compressed.jsonl")] == [f"r{i}" for i in range(ROWS)]
