@@ -187,6 +187,9 @@ class Compressor:
         earlier = journal.entries
         if self.options.resume and not earlier:
             earlier = self._written_before(target, fingerprint, result.usage)
+            # Into the journal at once: a resume that is itself cut off is then resumed from the
+            # journal alone, the whole run's rows and spend included.
+            journal.carry_over(earlier.values(), result.usage)
         decided: dict[int, tuple[bytes, dict | None]] = {}
         places: dict[str, list[int]] = {}  # the rows waiting for a summary, by key: equal rows share one
         pending: list[Pending] = []

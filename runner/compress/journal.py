@@ -13,6 +13,10 @@ row has spent so far, written before each request is sent and after each reply, 
 final line replaces. A SIGKILL then loses no request already sent: --resume counts the spend of a
 row cut off in flight (a request without its reply at an unknown cost), closes it with a `cut_off`
 line (so the row's next attempt journals a spend of its own) and asks for it again.
+A --resume after a whole run (its journal removed) starts its journal with that run's spend (an
+`earlier_run` line, from the metrics JSON) and compressed rows (from its output), so that a
+resume cut off in its turn is resumed from the journal alone. A line is whole only with its
+newline: a last line without one is torn.
 `--resume` keeps the compressed rows (never asked for again) and retries the failed ones; the
 journal is removed once the output is written whole. The compression writing it holds a lock on it
 (flock, released by the kernel however the process ends), so a second compression of the same output
@@ -37,6 +41,8 @@ IN_FLIGHT = "in_flight"  # a row's spend while its requests go, replaced by its 
 # The final line a resume writes for a row it found in flight: its spend stays counted, and the
 # row's new attempt journals lines of its own (which must not replace that spend).
 CUT_OFF = "cut_off"
+# What a whole run before spent (from its metrics JSON), carried into the journal of a --resume.
+EARLIER = "earlier_run"
 FSYNC_EVERY = 1.0  # seconds
 
 
@@ -78,7 +84,7 @@ class Journal:
 
     def _refuse_unless(self, resume: bool) -> None:
         if not resume:
-            unfinished = (f'"status":"{IN_FLIGHT}"'.encode(), f'"status":"{CUT_OFF}"'.encode())
+            unfinished = tuple(f'"status":"{status}"'.encode() for status in (IN_FLIGHT, CUT_OFF, EARLIER))
             done = sum(1 for line in self.path.read_bytes().splitlines()[1:]
                        if line.strip() and not any(mark in line for mark in unfinished))
             raise JournalError(f"{self.path} holds an interrupted compression of this output ({done} rows done): run "
@@ -124,7 +130,7 @@ class Journal:
                                "differ): give the same ones to --resume, or delete it to start over")
         good = len(lines[0]) + 1
         in_flight = self._in_flight  # key -> where in earlier_usage its latest in-flight spend is
-        for line in lines[1:]:
+        for line in lines[1:-1]:  # the last piece is "" or a line that was never finished (torn)
             try:
                 data = orjson.loads(line)
                 entry = Entry(str(data["key"]), str(data["status"]), dict(data["usage"]), orjson.dumps(data["row"]))
@@ -137,7 +143,7 @@ class Journal:
             self.earlier_usage[place] = entry.usage  # the row's spend so far replaces what it had journaled
             if entry.status == IN_FLIGHT:
                 in_flight[entry.key] = place
-            else:
+            elif entry.status != EARLIER:
                 self.entries[entry.key] = entry
             good += len(line) + 1
         if repair and good < len(b"\n".join(lines)):
@@ -157,7 +163,16 @@ class Journal:
         if time.monotonic() - self._synced >= FSYNC_EVERY:
             os.fsync(self._handle.fileno())
             self._synced = time.monotonic()
-        self.entries[entry.key] = entry
+        if entry.status != EARLIER:
+            self.entries[entry.key] = entry
+
+    def carry_over(self, entries, usages: list[dict]) -> None:
+        """A whole run's compressed rows and spend (read from its output and metrics JSON by a
+        --resume), written here as if that run had journaled them."""
+        for usage in usages:
+            self.add(Entry("", EARLIER, usage, b"null"))
+        for entry in entries:
+            self.add(entry)
 
     def spending(self, key: str, usage: dict) -> None:
         """What the row `key` has spent so far, its requests still going (handed to the kernel

@@ -181,3 +181,60 @@ def test_rows_cut_off_in_flight_twice_are_paid_for_once_each_time(work):
     metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
     assert metrics["summariser"]["requests"] == total
     assert [r["metadata"]["row_key"] for r in read_jsonl(work / "runs_compressed.jsonl")] == [f"r{i}" for i in range(ROWS)]
+
+
+def test_a_resume_after_a_whole_run_that_is_itself_cut_off_keeps_that_runs_rows_and_spend(work):
+    """A whole run with one failed row, then a --resume interrupted while it retries that row, then
+    --resume to the end: only that row is asked again, and every request is counted once (the
+    interrupted resume's journal held the whole run's rows and spend, not only its own lines)."""
+    phase = {"now": "fail"}
+
+    def policy(body, state):
+        if " r3 " in body["messages"][1]["content"]:
+            if phase["now"] == "fail":
+                return Reply(status=400, body={"error": {"message": "no"}})
+            if phase["now"] == "hang":
+                return Reply(hang=True)
+        return Reply(body=chat_completion(body, "The agent worked through its tools."))
+
+    with ModelServer(policy=policy) as server:
+        first = start(work, server)
+        _, err = first.communicate(timeout=120)
+        assert first.returncode == 2, err  # a failed row
+        whole_run = server.count()
+        phase["now"] = "hang"
+        second = start(work, server, "--resume")
+        wait_for(lambda: server.count() > whole_run, 60, step=0.02)
+        second.send_signal(signal.SIGINT)
+        second.communicate(timeout=60)
+        phase["now"] = "answer"
+        third = start(work, server, "--resume")
+        _, err = third.communicate(timeout=120)
+        assert third.returncode == 0, err
+        asked_again = server.requests[whole_run:]
+        total = server.count()
+    assert all(" r3 " in r.body["messages"][1]["content"] for r in asked_again) and len(asked_again) == 2
+    metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
+    assert metrics["summariser"]["requests"] == total
+    assert [r["metadata"]["row_key"] for r in read_jsonl(work / "runs_compressed.jsonl")] == [f"r{i}" for i in range(ROWS)]
+
+
+def test_a_last_journal_line_without_its_newline_is_torn_and_nothing_is_glued_to_it(tmp_path):
+    """A line is whole only with its newline: one written but for it is dropped (its row done
+    again) and cut off the file, so the next line starts on a line of its own."""
+    from runner.compress.journal import Entry, Journal
+
+    output = tmp_path / "out.jsonl"
+    journal = Journal.open(output, {"f": 1}, resume=False)
+    journal.add(Entry("a", "compressed", {"requests": 1}, b'{"x": 1}'))
+    journal.add(Entry("b", "compressed", {"requests": 1}, b'{"x": 2}'))
+    journal.close()
+    path = Journal.path_for(output)
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))  # the last write lost its newline
+    again = Journal.open(output, {"f": 1}, resume=True)
+    assert set(again.entries) == {"a"} and again.earlier_usage == [{"requests": 1}]
+    again.add(Entry("c", "compressed", {"requests": 1}, b'{"x": 3}'))
+    again.close()
+    reread = Journal.open(output, {"f": 1}, resume=True)
+    assert set(reread.entries) == {"a", "c"}
+    reread.close()
