@@ -185,11 +185,13 @@ class Compressor:
         journal = Journal.open(target, fingerprint, self.options.resume)
         result.usage.extend(journal.earlier_usage)
         earlier = journal.entries
-        if self.options.resume and not earlier:
-            earlier = self._written_before(target, fingerprint, result.usage)
+        if self.options.resume and not journal.earlier_usage:  # no line read: perhaps a whole run before
+            spent: list[dict] = []
+            earlier = self._written_before(target, fingerprint, spent)
             # Into the journal at once: a resume that is itself cut off is then resumed from the
             # journal alone, the whole run's rows and spend included.
-            journal.carry_over(earlier.values(), result.usage)
+            journal.carry_over(earlier.values(), spent)
+            result.usage.extend(spent)
         decided: dict[int, tuple[bytes, dict | None]] = {}
         places: dict[str, list[int]] = {}  # the rows waiting for a summary, by key: equal rows share one
         pending: list[Pending] = []

@@ -238,3 +238,20 @@ def test_a_last_journal_line_without_its_newline_is_torn_and_nothing_is_glued_to
     reread = Journal.open(output, {"f": 1}, resume=True)
     assert set(reread.entries) == {"a", "c"}
     reread.close()
+
+
+def test_a_journal_holding_only_rows_cut_off_in_flight_counts_their_spend_once(work):
+    """Killed before any row finished: the journal holds only what the rows in flight spent. The
+    resume counts it once (it is no whole run's output to carry over) and finishes."""
+    with ModelServer(policy=slow_summaries) as server:
+        process = start(work, server)
+        wait_for(lambda: server.count() >= 2 or process.poll() is not None, 60, step=0.02)
+        process.kill()
+        process.wait(timeout=30)
+        assert journal_rows(work) == []  # nothing decided yet
+        resumed = start(work, server, "--resume")
+        _, err = resumed.communicate(timeout=120)
+        assert resumed.returncode == 0, err
+        total = server.count()
+    metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
+    assert metrics["summariser"]["requests"] == total
