@@ -49,6 +49,18 @@ def journal_rows(work: Path) -> list[dict]:
     return [row for row in rows if row["status"] != "in_flight"]
 
 
+def resume_to_the_end(work: Path, server: ModelServer) -> int:
+    """--resume until the output is whole; every request the endpoint got by then must be counted
+    once in the metrics JSON. Returns that count."""
+    resumed = start(work, server, "--resume")
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err
+    total = server.count()
+    metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
+    assert metrics["summariser"]["requests"] == total
+    return total
+
+
 @pytest.fixture
 def work(tmp_path):
     write_tokenizer(tmp_path / "tok")
@@ -174,12 +186,7 @@ def test_rows_cut_off_in_flight_twice_are_paid_for_once_each_time(work):
             wait_for(lambda: server.count() >= before + 2 or process.poll() is not None, 60, step=0.02)
             process.kill()
             process.wait(timeout=30)
-        resumed = start(work, server, "--resume")
-        _, err = resumed.communicate(timeout=120)
-        assert resumed.returncode == 0, err
-        total = server.count()
-    metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
-    assert metrics["summariser"]["requests"] == total
+        resume_to_the_end(work, server)
     assert [r["metadata"]["row_key"] for r in read_jsonl(work / "runs_compressed.jsonl")] == [f"r{i}" for i in range(ROWS)]
 
 
@@ -208,14 +215,9 @@ def test_a_resume_after_a_whole_run_that_is_itself_cut_off_keeps_that_runs_rows_
         second.send_signal(signal.SIGINT)
         second.communicate(timeout=60)
         phase["now"] = "answer"
-        third = start(work, server, "--resume")
-        _, err = third.communicate(timeout=120)
-        assert third.returncode == 0, err
+        resume_to_the_end(work, server)
         asked_again = server.requests[whole_run:]
-        total = server.count()
     assert all(" r3 " in r.body["messages"][1]["content"] for r in asked_again) and len(asked_again) == 2
-    metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
-    assert metrics["summariser"]["requests"] == total
     assert [r["metadata"]["row_key"] for r in read_jsonl(work / "runs_compressed.jsonl")] == [f"r{i}" for i in range(ROWS)]
 
 
@@ -249,9 +251,4 @@ def test_a_journal_holding_only_rows_cut_off_in_flight_counts_their_spend_once(w
         process.kill()
         process.wait(timeout=30)
         assert journal_rows(work) == []  # nothing decided yet
-        resumed = start(work, server, "--resume")
-        _, err = resumed.communicate(timeout=120)
-        assert resumed.returncode == 0, err
-        total = server.count()
-    metrics = json.loads((work / "runs_compressed.metrics.json").read_text())
-    assert metrics["summariser"]["requests"] == total
+        resume_to_the_end(work, server)
