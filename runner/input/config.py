@@ -243,6 +243,10 @@ class RunConfig(BaseModel):
         from runner.input.secrets import check_header_safe
 
         check_header_safe("the API key (--api_key, OPENROUTER_API_KEY or OPENAI_API_KEY)", self.api_key)
+        return self
+
+    @model_validator(mode="after")
+    def _no_key_in_the_urls(self):
         key = self.api_key.get_secret_value() if self.api_key else ""
         for name in ("base_url", "judge_base_url"):
             if key and key in (getattr(self, name) or ""):  # a gateway's ?key=...: the URL is written to config.json
