@@ -39,7 +39,7 @@ import uuid
 
 from tools.environments.base import (
     Backend, ExecResult, FileTooLargeError, OutputCapture, SandboxError, absolute_cwd_error, command_finished, forget_marked_processes,
-    environ_of, keep_processes_marked, kill_orphans, own_descendants, quote, read_at_most, start_command,
+    commands_left_nothing, environ_of, keep_processes_marked, kill_orphans, own_descendants, quote, read_at_most, start_command,
     truncate_output,
 )  # fmt: skip
 from tools.environments import socket_filter
@@ -87,6 +87,7 @@ class LocalEnvironment(Backend):
         self._holder: subprocess.Popen | None = None  # bwrap: keeps the sandbox alive
         self._sandbox_pid = 0  # bwrap: host pid of the sandbox's init process
         self._sandbox_ns: tuple[int, int] | None = None  # its pid namespace, to never kill a recycled pid
+        self._groups: list[int] = []  # the process group of each command run (its pid)
 
     @classmethod
     def cwd_error(cls, cwd: str, settings) -> str | None:
@@ -262,6 +263,7 @@ class LocalEnvironment(Backend):
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, so a timeout can kill all of it
         ))  # fmt: skip
+        self._groups.append(proc.pid)
         try:
             return self._finish(proc, timeout)
         finally:
@@ -324,13 +326,10 @@ class LocalEnvironment(Backend):
         raise OSError(errno.EIO, message or f"failed with exit code {proc.returncode}", path)
 
     def cleanup(self) -> None:
-        # One read of the process table serves both sweeps when nothing of the session is left
-        # (the common case): reading every process's stat or environ is what a cleanup costs.
-        known = own_descendants()
-        clean = self._kill_session_processes(None if known is None else known[1])
-        forget_marked_processes(self._marker_entry())
-        # What the session's commands detached from it and from its marker.
-        kill_orphans(table=known[0] if known is not None and clean else None)
+        if not self._holder and commands_left_nothing(self._groups):  # the common case: no sweep
+            forget_marked_processes(self._marker_entry())
+        else:
+            self._sweep_processes()
         if self._holder:
             if self._sandbox_ns and _namespace_of(self._sandbox_pid) == self._sandbox_ns:
                 _signal(self._sandbox_pid)  # its init dies, so the kernel kills everything inside
@@ -342,6 +341,15 @@ class LocalEnvironment(Backend):
             self._owns_workdir = False
         elif self._sandbox_dir:  # kept: nothing the sandbox made stays setuid or setgid on the host
             clear_set_id_bits(self._sandbox_dir)
+
+    def _sweep_processes(self) -> None:
+        """Kill what carries the session's marker, then the orphans its commands detached from it
+        and from the marker. One read of the process table serves both sweeps when the first finds
+        nothing: reading every process's stat or environ is what this costs."""
+        known = own_descendants()
+        clean = self._kill_session_processes(None if known is None else known[1])
+        forget_marked_processes(self._marker_entry())
+        kill_orphans(table=known[0] if known is not None and clean else None)
 
     def _marker_entry(self) -> bytes:
         return f"{_MARKER_VAR}={self._marker}".encode()

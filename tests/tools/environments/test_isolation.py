@@ -257,3 +257,65 @@ def test_a_tmpdir_inside_a_folder_the_sandbox_shows_read_only_still_works(model_
 
 def _prompt_of(command: str) -> str:
     return f"@tool terminal {json.dumps({'command': command})}\nRun it."
+
+
+def _alive_mentioning(text: str) -> list[int]:
+    """Processes whose command line holds `text` anywhere (a python -c script, a sleep's argument)."""
+    pids = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if text.encode() in f.read() and int(name) != os.getpid():
+                    pids.append(int(name))
+        except OSError:
+            pass
+    return pids
+
+
+ESCAPES = {  # each leaves a process outside the command's group, with its ancestor line broken
+    "setsid": "setsid sleep {s} >/dev/null 2>&1 &",
+    "a group of its own, parent gone": ("(python3 -c 'import os, time; os.setpgid(0, 0); time.sleep({s})' "
+                                        ">/dev/null 2>&1 &) ; true"),
+    "two levels, middle gone": "sh -c 'setsid sh -c \"sleep {s}\" >/dev/null 2>&1 & exit 0' &",
+    "a subreaper of its own": ("python3 -c 'import ctypes, os, subprocess, time; os.setsid(); "
+                               "ctypes.CDLL(None).prctl(36, 1, 0, 0, 0); "
+                               "subprocess.run([\"sh\", \"-c\", \"setsid sleep {s} &\"]); time.sleep({s})' "
+                               ">/dev/null 2>&1 &"),
+    "still in its group": "sleep {s} >/dev/null 2>&1 &",
+}
+
+
+@pytest.mark.parametrize("escape", sorted(ESCAPES))
+def test_a_cleanup_without_a_sweep_still_kills_whatever_a_command_left(tmp_path, escape):
+    """The cleanup skips reading the process table only when nothing can be left (every command's
+    group gone, no unexplained child of the subreaper): each way out of the group is still found."""
+    s = f"30{len(escape)}.{uuid.uuid4().int % 10**6}"
+    script = f"""
+import time
+from tools.environments import base
+from tools.environments.local import LocalConfig, LocalEnvironment
+from tests.conftest import wait_for
+from tests.tools.environments.test_isolation import _alive_mentioning as alive
+base.become_subreaper()
+env = LocalEnvironment(LocalConfig(task_id="t", workdir_root={str(tmp_path)!r}))
+env.start()
+env.execute({ESCAPES[escape].format(s=s)!r})
+assert wait_for(lambda: alive("{s}"), 10), "never started"
+time.sleep(0.3)  # the middle processes are gone
+env.cleanup()
+assert wait_for(lambda: not alive("{s}"), 5), "left alive"
+clean = LocalEnvironment(LocalConfig(task_id="u", workdir_root={str(tmp_path)!r}))
+clean.start()
+assert clean.execute("echo hi; (sleep 0.1; true) & wait").output == "hi\\n"
+def no_table():
+    raise AssertionError("the process table was read")
+base.process_table = no_table
+clean.cleanup()
+print("OK")
+"""
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.stdout.strip() == "OK", proc.stderr
+    finally:
+        for pid in _alive_mentioning(s):
+            os.kill(pid, signal.SIGKILL)
