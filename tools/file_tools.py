@@ -366,7 +366,7 @@ async def _apply_patch(text: str, ctx: ToolContext) -> dict:
 
     for path, content in staged.items():
         if content is None and originals.get(path) is not None:
-            removed = await asyncio.to_thread(ctx.env.execute, f"rm -f -- {quote(path)}", timeout=30)
+            removed = await ctx.env.run(f"rm -f -- {quote(path)}", timeout=30)
             if removed.exit_code != 0:
                 raise ToolInputError(f"cannot delete {path}: {removed.output.strip()}")
         elif content is not None and content != originals.get(path):
@@ -422,7 +422,7 @@ async def search_files(args: dict, ctx: ToolContext) -> dict:
         f" | awk -v a={offset} -v b={offset + limit} "
         f"'NR > a && NR <= b {{ print substr($0, 1, 500) }} END {{ print \"{_TOTAL} \" NR }}'\n"
     )
-    result = await asyncio.to_thread(ctx.env.execute, script, timeout=ctx.settings.command_timeout)
+    result = await ctx.env.run(script, timeout=ctx.settings.command_timeout)
     found = re.search(rf"^{_TOTAL} (\d+)$", result.output, re.MULTILINE)
     if result.exit_code != 0 or not found:
         message = result.output.strip() or f"search failed with exit code {result.exit_code}"

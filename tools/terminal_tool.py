@@ -8,7 +8,6 @@ log, its exit status and a FIFO that serves as its stdin.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import re
 import time
@@ -50,7 +49,7 @@ def _processes(ctx: ToolContext) -> dict[str, Background]:
 
 
 async def _run(ctx: ToolContext, script: str, timeout: float = 30):
-    return await asyncio.to_thread(ctx.env.execute, script, timeout=timeout)
+    return await ctx.env.run(script, timeout=timeout)
 
 
 def _flag(value) -> bool:
@@ -131,7 +130,7 @@ async def terminal(args: dict, ctx: ToolContext) -> dict:
     if _flag(args.get("background")):
         result = await _start_background(ctx, command, workdir, args)
     else:
-        done = await asyncio.to_thread(ctx.env.execute, command, cwd=workdir, timeout=timeout)
+        done = await ctx.env.run(command, cwd=workdir, timeout=timeout)
         result = {"output": done.output, "exit_code": done.exit_code}
         if done.timed_out:
             result["note"] = (
@@ -162,7 +161,7 @@ async def _start_background(ctx: ToolContext, command: str, workdir: str | None,
         f'$s sh -c {quote(wrapper)} sh "$d" </dev/null >/dev/null 2>&1 &\n'
         'echo "pid=$!"\n'
     )
-    started = await asyncio.to_thread(ctx.env.execute, script, cwd=workdir, timeout=30)
+    started = await ctx.env.run(script, cwd=workdir, timeout=30)
     found = re.search(r"pid=(\d+)", started.output)
     if started.exit_code != 0 or not found:
         return {"error": f"could not start the background process: {started.output.strip()}"}

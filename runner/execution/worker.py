@@ -199,6 +199,12 @@ async def _cleanup(ctx: ToolContext | None, env: Any) -> None:
             except Exception:
                 pass
     if env is not None:
+        quick = getattr(env, "quick_cleanup", None)
+        try:
+            if quick is not None and quick():  # a few system calls: no thread hand-off
+                return
+        except Exception:
+            pass
         # A second cancel (the runner's death is seen on the pipe and by the death signal) must
         # not abandon the cleanup: a cleanup cancelled before its thread started never runs.
         removal = asyncio.ensure_future(asyncio.to_thread(env.cleanup))

@@ -10,6 +10,7 @@ Backends import only this module, never one another (the registry is tools/envir
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
 import os
@@ -64,6 +65,9 @@ class Environment(Protocol):
 
     def execute(self, command: str, *, cwd: str | None = None, timeout: float | None = None) -> ExecResult:
         """Run `command` with `sh -c` in `cwd` (default: workdir). The timeout really stops it."""
+
+    async def run(self, command: str, *, cwd: str | None = None, timeout: float | None = None) -> ExecResult:
+        """execute() for a coroutine: the event loop goes on while the command runs."""
 
     def read_file(self, path: str) -> bytes:
         """Return the bytes of `path` (relative paths are relative to workdir). FileNotFoundError if
@@ -138,6 +142,16 @@ class Backend:
     @classmethod
     def clean_task_leftovers(cls, settings: ToolSettings, task_ids: list[str], *, log: Callable[[str], None]) -> None:
         """After a worker died: remove what the sessions of these tasks left (it could not)."""
+
+    async def run(self, command: str, *, cwd: str | None = None, timeout: float | None = None) -> ExecResult:
+        """execute() in a thread. A backend that can wait for its commands in the event loop itself
+        overrides it: a hand-off to a thread and back costs more than a short command's own work."""
+        return await asyncio.to_thread(self.execute, command, cwd=cwd, timeout=timeout)
+
+    def quick_cleanup(self) -> bool:
+        """Do the whole cleanup now, in the event loop, when it is only a few system calls; False
+        when it is more (then nothing was done, and cleanup() is called in a thread)."""
+        return False
 
 
 def absolute_cwd_error(cwd: str, where: str, meaning: str) -> str | None:

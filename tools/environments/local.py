@@ -21,6 +21,8 @@ reparented to init and keeps running.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import functools
 import json
@@ -254,6 +256,31 @@ class LocalEnvironment(Backend):
         if self._holder and self._holder.poll() is not None:
             raise SandboxError("the bubblewrap sandbox of this session has died")
         timeout = self.config.command_timeout if timeout is None else timeout
+        proc = self._spawn(command, cwd)
+        capture = OutputCapture(self.config.max_output_chars * 4)  # 4: worst-case UTF-8 bytes per char
+        try:
+            with proc.stdout, _killed_if_left(proc):
+                exit_code, timed_out = _collect_output(proc, capture, timeout)
+        finally:
+            command_finished(proc.pid)
+        return self._result(capture, exit_code, timed_out)
+
+    async def run(self, command: str, *, cwd: str | None = None, timeout: float | None = None) -> ExecResult:
+        """Without a sandbox, the command is started and waited for in the event loop (its pipe and
+        a pidfd watched by the loop): no thread hand-off. Under bwrap in a thread."""
+        if self._holder:
+            return await super().run(command, cwd=cwd, timeout=timeout)
+        timeout = self.config.command_timeout if timeout is None else timeout
+        proc = self._spawn(command, cwd)
+        capture = OutputCapture(self.config.max_output_chars * 4)
+        try:
+            with proc.stdout, _killed_if_left(proc):  # also when the session is cancelled meanwhile
+                exit_code, timed_out = await _collect_output_in_loop(proc, capture, timeout)
+        finally:
+            command_finished(proc.pid)
+        return self._result(capture, exit_code, timed_out)
+
+    def _spawn(self, command: str, cwd: str | None) -> subprocess.Popen:
         where = os.path.join(self.workdir, cwd) if cwd else self.workdir
         # `cd` inside the shell: a missing directory is then an ordinary shell error, and the path
         # means the same thing inside the sandbox as outside.
@@ -264,21 +291,9 @@ class LocalEnvironment(Backend):
             start_new_session=True,  # its own process group, so a timeout can kill all of it
         ))  # fmt: skip
         self._groups.append(proc.pid)
-        try:
-            return self._finish(proc, timeout)
-        finally:
-            command_finished(proc.pid)
+        return proc
 
-    def _finish(self, proc: subprocess.Popen, timeout: float) -> ExecResult:
-        capture = OutputCapture(self.config.max_output_chars * 4)  # 4: worst-case UTF-8 bytes per char
-        with proc.stdout:
-            try:
-                exit_code, timed_out = _collect_output(proc, capture, timeout)
-            except BaseException:  # no command goes on unwatched
-                if proc.returncode is None:  # not reaped yet, so its group id is no one else's
-                    _kill_group(proc.pid)
-                    proc.wait()
-                raise
+    def _result(self, capture: OutputCapture, exit_code: int, timed_out: bool) -> ExecResult:
         if exit_code < 0:  # killed by a signal: report it the way a shell does
             exit_code = 128 - exit_code
         output = truncate_output(capture.text(), self.config.max_output_chars)
@@ -325,8 +340,22 @@ class LocalEnvironment(Backend):
         message = proc.stderr.decode(errors="replace").strip().rpartition(": ")[2]
         raise OSError(errno.EIO, message or f"failed with exit code {proc.returncode}", path)
 
+    def quick_cleanup(self) -> bool:
+        """The common end of a session without a sandbox: nothing of its commands is left (no
+        sweep of the process table needed) and its working directory is empty (one rmdir)."""
+        if self.config.sandbox or not commands_left_nothing(self._groups):
+            return False
+        if self._owns_workdir and not self.config.keep_workdirs:
+            try:
+                os.rmdir(self._workdir_root)
+            except OSError:  # it holds files: shutil.rmtree, in a thread
+                return False
+            self._owns_workdir = False
+        forget_marked_processes(self._marker_entry())
+        return True
+
     def cleanup(self) -> None:
-        if not self._holder and commands_left_nothing(self._groups):  # the common case: no sweep
+        if not self._holder and commands_left_nothing(self._groups):  # no sweep of the process table
             forget_marked_processes(self._marker_entry())
         else:
             self._sweep_processes()
@@ -437,6 +466,74 @@ def _collect_output(proc: subprocess.Popen, capture: OutputCapture, timeout: flo
     finally:
         if pidfd is not None:
             os.close(pidfd)
+    return code, timed_out
+
+
+@contextlib.contextmanager
+def _killed_if_left(proc: subprocess.Popen):
+    """No command goes on unwatched: if waiting for it fails (or the session is cancelled), its
+    process group is killed and it is reaped."""
+    try:
+        yield
+    except BaseException:
+        if proc.returncode is None:  # not reaped yet, so its group id is no one else's
+            _kill_group(proc.pid)
+            proc.wait()
+        raise
+
+
+async def _collect_output_in_loop(proc: subprocess.Popen, capture: OutputCapture, timeout: float) -> tuple[int, bool]:
+    """What _collect_output does, with the event loop watching the pipe and a pidfd of the process
+    instead of a thread polling them: the same timeout, the same linger after the exit or the kill.
+    On a kernel without pidfds (before 5.3), _collect_output in a thread."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (OSError, AttributeError):  # AttributeError: not Linux
+        return await asyncio.to_thread(_collect_output, proc, capture, timeout)
+    loop = asyncio.get_running_loop()
+    fd = proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    exited, closed = loop.create_future(), loop.create_future()
+
+    def on_exit() -> None:
+        loop.remove_reader(pidfd)
+        if not exited.done():
+            exited.set_result(None)
+
+    def on_output() -> None:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if chunk:
+            capture.add(chunk)
+            return
+        loop.remove_reader(fd)  # end of file: every writer has closed it
+        if not closed.done():
+            closed.set_result(None)
+
+    loop.add_reader(pidfd, on_exit)
+    loop.add_reader(fd, on_output)
+    try:
+        timed_out = False
+        try:
+            # A timeout of days or more: asyncio waits that long (poll() would need steps).
+            await asyncio.wait_for(asyncio.shield(exited), timeout)
+            code = proc.wait()  # it has exited: this only reaps it
+            linger = LINGER_AFTER_EXIT
+        except asyncio.TimeoutError:
+            timed_out = True
+            _kill_group(proc.pid)  # before wait(): the pid, hence the group id, cannot be recycled yet
+            proc.wait()
+            code, linger = 124, LINGER_AFTER_KILL
+        try:  # whoever still holds the pipe after that does not hold the result back
+            await asyncio.wait_for(asyncio.shield(closed), linger)
+        except asyncio.TimeoutError:
+            pass
+    finally:
+        loop.remove_reader(fd)
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
     return code, timed_out
 
 

@@ -302,6 +302,7 @@ env.start()
 env.execute({ESCAPES[escape].format(s=s)!r})
 assert wait_for(lambda: alive("{s}"), 10), "never started"
 time.sleep(0.3)  # the middle processes are gone
+assert not env.quick_cleanup(), "no quick cleanup with a process left"
 env.cleanup()
 assert wait_for(lambda: not alive("{s}"), 5), "left alive"
 clean = LocalEnvironment(LocalConfig(task_id="u", workdir_root={str(tmp_path)!r}))
@@ -311,6 +312,18 @@ def no_table():
     raise AssertionError("the process table was read")
 base.process_table = no_table
 clean.cleanup()
+# The same in the event loop, the way a worker ends a session: an empty workdir goes with one rmdir.
+import asyncio, os
+quick = LocalEnvironment(LocalConfig(task_id="v", workdir_root={str(tmp_path)!r}))
+quick.start()
+assert asyncio.run(quick.run("echo hi")).output == "hi\\n"
+assert quick.quick_cleanup() and not os.path.exists(quick.workdir)
+full = LocalEnvironment(LocalConfig(task_id="w", workdir_root={str(tmp_path)!r}))
+full.start()
+asyncio.run(full.run("echo data > f"))
+assert not full.quick_cleanup() and os.path.exists(full.workdir + "/f"), "a workdir with files: rmtree in a thread"
+full.cleanup()
+assert not os.path.exists(full.workdir)
 print("OK")
 """
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import stat
@@ -33,6 +34,19 @@ def make_env(tmp_path):
         env.cleanup()
 
 
+@pytest.fixture(params=["execute() in a thread", "run() in the event loop"])
+def make_env_both(request, make_env):
+    """make_env, whose execute() is called as it is, or as run() from an event loop (the tools' way)."""
+
+    def make(**overrides):
+        env = make_env(**overrides)
+        if request.param.startswith("run()"):
+            env.execute = lambda command, **kw: asyncio.run(env.run(command, **kw))
+        return env
+
+    return make
+
+
 def alive(pid: int) -> bool:
     """True if the process exists and is not a zombie (this container's init may not reap them)."""
     try:
@@ -55,16 +69,16 @@ def session_pids(env: LocalEnvironment) -> list[int]:
     return found
 
 
-def test_output_is_interleaved_and_exit_code_kept(make_env):
-    env = make_env()
+def test_output_is_interleaved_and_exit_code_kept(make_env_both):
+    env = make_env_both()
     result = env.execute("echo one; echo two >&2; echo three; exit 3")
     assert result.output == "one\ntwo\nthree\n"
     assert result.exit_code == 3 and not result.timed_out
     assert env.execute("kill -9 $$").exit_code == 137  # killed by a signal: 128 + 9, as in a shell
 
 
-def test_timeout_kills_the_command_and_its_children(make_env):
-    env = make_env()
+def test_timeout_kills_the_command_and_its_children(make_env_both):
+    env = make_env_both()
     began = time.monotonic()
     result = env.execute("echo started; sh -c 'sleep 30' & echo $! > child.pid; sleep 30", timeout=1)
     assert time.monotonic() - began < 5
@@ -77,25 +91,25 @@ def test_timeout_kills_the_command_and_its_children(make_env):
     assert not alive(child)
 
 
-def test_default_timeout_comes_from_the_config(make_env):
-    env = make_env(command_timeout=0.5)
+def test_default_timeout_comes_from_the_config(make_env_both):
+    env = make_env_both(command_timeout=0.5)
     assert env.execute("sleep 10").exit_code == 124
 
 
-def test_long_output_is_truncated_keeping_head_and_tail(make_env):
-    env = make_env(max_output_chars=1000)
+def test_long_output_is_truncated_keeping_head_and_tail(make_env_both):
+    env = make_env_both(max_output_chars=1000)
     result = env.execute("seq 1 100000")
     assert len(result.output) < 1200
     assert result.output.startswith("1\n2\n") and result.output.endswith("99999\n100000\n")
     assert "omitted" in result.output
 
 
-def test_undecodable_output_is_replaced(make_env):
-    assert "\ufffd" in make_env().execute(r"printf 'ok \377\n'").output
+def test_undecodable_output_is_replaced(make_env_both):
+    assert "\ufffd" in make_env_both().execute(r"printf 'ok \377\n'").output
 
 
-def test_cwd_argument(make_env):
-    env = make_env()
+def test_cwd_argument(make_env_both):
+    env = make_env_both()
     env.write_file("sub/marker.txt", b"here")
     assert env.execute("cat marker.txt", cwd="sub").output == "here"
     assert env.execute("pwd", cwd=env.workdir + "/sub").output.strip() == env.workdir + "/sub"
@@ -149,8 +163,8 @@ def test_read_and_write_files(make_env):
         env.read_file("missing.txt")
 
 
-def test_cleanup_kills_background_processes(make_env):
-    env = make_env()
+def test_cleanup_kills_background_processes(make_env_both):
+    env = make_env_both()
     plain = int(env.execute("sleep 60 >/dev/null 2>&1 & echo $!").output)
     detached = int(env.execute("setsid sleep 61 >/dev/null 2>&1 & echo $!").output)  # left our group
     assert alive(plain) and alive(detached)
@@ -158,14 +172,14 @@ def test_cleanup_kills_background_processes(make_env):
     assert not alive(plain) and not alive(detached)
 
 
-def test_background_child_does_not_hold_the_result(make_env):
+def test_background_child_does_not_hold_the_result(make_env_both):
     began = time.monotonic()
-    result = make_env().execute("sleep 20 & echo quick")  # the child keeps stdout open
+    result = make_env_both().execute("sleep 20 & echo quick")  # the child keeps stdout open
     assert result.output == "quick\n" and time.monotonic() - began < 5
 
 
 @pytest.mark.parametrize("pidfds", ["with pidfds", "on a kernel without pidfds"])
-def test_output_exit_codes_timeouts_and_held_pipes_with_and_without_pidfds(make_env, monkeypatch, pidfds):
+def test_output_exit_codes_timeouts_and_held_pipes_with_and_without_pidfds(make_env_both, monkeypatch, pidfds):
     """A command's output and exit are read in one thread: by polling a pidfd of the process with
     its pipe, or on an older kernel (pidfd_open failing) by looking at the process meanwhile."""
     if pidfds != "with pidfds":
@@ -173,7 +187,7 @@ def test_output_exit_codes_timeouts_and_held_pipes_with_and_without_pidfds(make_
             raise OSError(38, "Function not implemented")
 
         monkeypatch.setattr(os, "pidfd_open", no_pidfds)
-    env = make_env()
+    env = make_env_both()
     assert [env.execute(f"echo {i}").output for i in range(20)] == [f"{i}\n" for i in range(20)]
     began = time.monotonic()
     result = env.execute("sleep 20 & echo quick; exit 4")  # the child keeps the pipe open
@@ -188,16 +202,16 @@ def test_output_exit_codes_timeouts_and_held_pipes_with_and_without_pidfds(make_
 
 
 @pytest.mark.parametrize("timeout", [3e6, 1e10, float("inf")])
-def test_a_timeout_of_days_or_more_is_a_timeout_that_does_not_come(make_env, timeout):
+def test_a_timeout_of_days_or_more_is_a_timeout_that_does_not_come(make_env_both, timeout):
     """poll() takes at most INT_MAX milliseconds (24.8 days): a longer timeout waits in steps."""
-    result = make_env().execute("sleep 0.2; echo hi", timeout=timeout)
+    result = make_env_both().execute("sleep 0.2; echo hi", timeout=timeout)
     assert (result.output, result.exit_code, result.timed_out) == ("hi\n", 0, False)
 
 
-def test_secrets_are_not_passed_to_commands(make_env, monkeypatch):
+def test_secrets_are_not_passed_to_commands(make_env_both, monkeypatch):
     monkeypatch.setenv("OPENROUTER_API_KEY", "sk-very-secret")
     monkeypatch.setenv("ABR_HARMLESS", "visible")
-    output = make_env().execute("env").output
+    output = make_env_both().execute("env").output
     assert "sk-very-secret" not in output and "ABR_HARMLESS=visible" in output
 
 
