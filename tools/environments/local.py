@@ -366,7 +366,7 @@ class LocalEnvironment(Backend):
             self._holder.communicate()
             self._holder = None
         if self._owns_workdir and not self.config.keep_workdirs:
-            shutil.rmtree(self._workdir_root, onerror=_force_remove)
+            remove_workdir(self._workdir_root)
             self._owns_workdir = False
         elif self._sandbox_dir:  # kept: nothing the sandbox made stays setuid or setgid on the host
             clear_set_id_bits(self._sandbox_dir)
@@ -683,11 +683,48 @@ def task_workdirs(root: str | None, prefix: str) -> list[str]:
 
 
 def remove_workdirs(root: str | None, prefix: str) -> int:
-    """Remove the per-prompt working directories in `root` named `prefix*`; returns how many."""
-    folders = task_workdirs(root, prefix)
-    for folder in folders:
-        shutil.rmtree(folder, onerror=_force_remove)
-    return len(folders)
+    """Remove the per-prompt working directories in `root` named `prefix*` (or whatever entry a
+    command left in the place of one); returns how many."""
+    root = os.path.realpath(root or tempfile.gettempdir())
+    try:
+        names = [name for name in os.listdir(root) if name.startswith(prefix)]
+    except OSError:
+        return 0
+    for name in names:
+        remove_workdir(os.path.join(root, name))
+    return len(names)
+
+
+def remove_workdir(top: str) -> None:
+    """Remove a session's working directory, whatever its commands made of it. Folders inside that
+    they closed (mode 000) are opened to their owner first. If they replaced the directory itself
+    with a symlink, a file or a fifo, that entry is unlinked, never followed. Nothing outside `top`
+    is changed: its parent is the shared TMPDIR (/tmp, mode 1777), which a retry that opened the
+    parent of whatever failed to go would have turned into 0700."""
+    try:
+        info = os.lstat(top)
+        if not stat.S_ISDIR(info.st_mode):
+            os.unlink(top)
+            return
+        if info.st_uid == os.geteuid() and info.st_mode & stat.S_IRWXU != stat.S_IRWXU:
+            os.chmod(top, stat.S_IRWXU)  # a directory (just checked), not a symlink: no one is left to swap it
+    except OSError:
+        return
+
+    def open_and_retry(func, path, exc_info) -> None:
+        if isinstance(exc_info[1], FileNotFoundError) or path == top:
+            return
+        try:
+            os.chmod(os.path.dirname(path), stat.S_IRWXU)  # inside `top`: path is not top itself
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.chmod(path, stat.S_IRWXU)
+                shutil.rmtree(path, onerror=open_and_retry)
+            else:
+                func(path)
+        except OSError:
+            pass
+
+    shutil.rmtree(top, onerror=open_and_retry)
 
 
 def _signal(pid: int, sig: int = signal.SIGKILL) -> None:
@@ -714,18 +751,3 @@ def _namespace_of(pid: int) -> tuple[int, int] | None:
     except OSError:
         return None
     return ns.st_dev, ns.st_ino
-
-
-def _force_remove(func, path, exc_info) -> None:
-    """rmtree helper: a command may have made a folder read-only; make it writable and retry."""
-    if isinstance(exc_info[1], FileNotFoundError):
-        return
-    try:
-        os.chmod(os.path.dirname(path), stat.S_IRWXU)
-        if os.path.isdir(path) and not os.path.islink(path):
-            os.chmod(path, stat.S_IRWXU)
-            shutil.rmtree(path, onerror=_force_remove)
-        else:
-            func(path)
-    except OSError:
-        pass

@@ -332,3 +332,54 @@ print("OK")
     finally:
         for pid in _alive_mentioning(s):
             os.kill(pid, signal.SIGKILL)
+
+
+# What a command can make of its own working directory (no sandbox): whatever it is at the end,
+# the clean-up removes that entry alone; it never follows a symlink, and never changes the mode of
+# the folder the working directories are made in (TMPDIR: /tmp, 1777, by default).
+WORKDIR_REPLACED = {
+    "symlink": 'W=$PWD; cd /; rm -rf "$W"; ln -s {outside} "$W"',
+    "file": 'W=$PWD; cd /; rm -rf "$W"; echo hello > "$W"',
+    "fifo": 'W=$PWD; cd /; rm -rf "$W"; mkfifo "$W"',
+    "removed": 'W=$PWD; cd /; rm -rf "$W"',
+    "closed": 'touch f; chmod 000 "$PWD"',
+    "locked inside": "mkdir -p a/b && touch a/b/f && chmod 0 a/b a",
+}
+
+
+def test_whatever_a_command_makes_of_its_workdir_only_that_entry_is_removed(model_server, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o755)
+    (outside / "kept.txt").write_text("not the session's\n")
+    workdirs = tmp_path / "workdirs"
+    workdirs.mkdir()
+    workdirs.chmod(0o1777)
+    rows = [{"prompt": _prompt_of(c.format(outside=shlex.quote(str(outside))))} for c in WORKDIR_REPLACED.values()]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = run_cli(_args(dataset, model_server), tmp_path, env={"TMPDIR": str(workdirs)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == len(rows)
+    assert stat.S_IMODE(workdirs.lstat().st_mode) == 0o1777
+    assert sorted(p.name for p in workdirs.iterdir()) == []
+    assert stat.S_IMODE(outside.lstat().st_mode) == 0o755 and (outside / "kept.txt").read_text() == "not the session's\n"
+
+
+def test_leftover_workdirs_of_a_killed_run_are_unlinked_not_followed(tmp_path):
+    from tools.environments.local import remove_workdirs
+
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o755)
+    (outside / "kept.txt").write_text("x")
+    root = tmp_path / "root"
+    root.mkdir()
+    root.chmod(0o1777)
+    (root / "run1-p1-a1-x").symlink_to(outside)
+    (root / "run1-p2-a1-y").write_text("a file where a folder was")
+    locked = root / "run1-p3-a1-z"
+    (locked / "in").mkdir(parents=True)
+    locked.chmod(0)
+    (root / "other-p1").mkdir()  # not this run's
+    assert remove_workdirs(str(root), "run1-p") == 3
+    assert sorted(p.name for p in root.iterdir()) == ["other-p1"]
+    assert stat.S_IMODE(root.lstat().st_mode) == 0o1777
+    assert stat.S_IMODE(outside.lstat().st_mode) == 0o755 and (outside / "kept.txt").exists()
