@@ -140,12 +140,18 @@ def _parse_arguments(raw: Any) -> tuple[dict | None, str | None]:
     try:
         # strict=False: raw control characters inside strings (a literal newline in a command) are
         # common in real models' arguments and unambiguous, so they are accepted, not retried.
-        value = json.loads(raw, strict=False)
-    except json.JSONDecodeError as err:
+        value = json.loads(raw, strict=False, parse_constant=_not_json)
+    except ValueError as err:  # json.JSONDecodeError, or NaN / Infinity
         return None, str(err)
     if not isinstance(value, dict):
         return None, f"arguments must be a JSON object, got {type(value).__name__}"
     return value, None
+
+
+def _not_json(name: str) -> Any:
+    # Python's json reads NaN and Infinity, which JSON has not: a NaN timeout would pass every
+    # comparison, and a trajectory carrying one is no longer JSON for the tools that read it.
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def classify(reply: ModelReply, offered: Container[str]) -> Verdict:

@@ -9,6 +9,7 @@ log, its exit status and a FIFO that serves as its stdin.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import time
 import uuid
@@ -60,8 +61,8 @@ def _positive_number(args: dict, name: str) -> float | None:
     value = args.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds")  # (NaN fails the comparison too)
     return float(value)
 
 

@@ -90,6 +90,12 @@ def test_terminal_timeout(ctx):
 def test_terminal_invalid_arguments(ctx):
     assert "error" in call(ctx, "terminal", command="")
     assert "error" in call(ctx, "terminal", command="true", timeout=-1)
+    sid = call(ctx, "terminal", command="sleep 30", background=True)["session_id"]
+    for endless in (float("nan"), float("inf")):  # arguments handed over as an object, not as JSON text
+        assert "positive number" in call(ctx, "terminal", command="touch ran", timeout=endless)["error"]
+        assert "positive number" in call(ctx, "process", action="wait", session_id=sid, timeout=endless)["error"]
+    assert not os.path.exists(os.path.join(ctx.env.workdir, "ran"))
+    call(ctx, "process", action="kill", session_id=sid)
     assert "error" in call(ctx, "terminal", command="true", background=True, watch_patterns="x")
 
 

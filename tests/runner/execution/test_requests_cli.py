@@ -97,6 +97,29 @@ def test_inline_think_counts_as_reasoning(tmp_path, model_server, remote_args):
     assert all("<think>" not in (m.get("content") or "") for m in second)
 
 
+def test_nan_or_infinity_in_arguments_is_not_json_so_no_command_runs_and_every_line_stays_json(
+        tmp_path, model_server, remote_args):
+    """Python's json reads NaN and Infinity; they are not JSON (RFC 8259). A call that carries one is
+    the model's bad JSON: it is retried and repaired, never run (a NaN timeout killed the command
+    at once, part done) and never written into a trajectory, which `datasets` could not read."""
+    marker = tmp_path / "ran"
+    rows = [{"prompt": f'@tool terminal {{"command": "touch {marker}-{i}", "timeout": {value}}}\nRun it.'}
+            for i, value in enumerate(["NaN", "Infinity", "-Infinity"])]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    proc = _run(tmp_path, dataset, remote_args, "--keep_no_reasoning", "--max_turns=4")
+    assert not list(tmp_path.glob("ran-*"))
+
+    def no_constant(name):
+        raise AssertionError(f"{name} written into an output line")
+
+    lines = [json.loads(line, parse_constant=no_constant)
+             for p in _out(tmp_path).glob("*.jsonl") for line in p.read_text().splitlines()]
+    assert len([r for r in lines if "prompt_index" in r]) >= len(rows), proc.stdout + proc.stderr
+    kept = read_jsonl(_out(tmp_path) / "trajectories.jsonl")
+    for row in kept:
+        assert "invalid JSON arguments for 'terminal'" in row["metadata"]["dropped_replies"]
+
+
 def test_empty_replies_are_reported_as_empty_and_never_saved_as_success(tmp_path, model_server, remote_args):
     rows = [{"prompt": "@empty 1\n" + TERMINAL + "One empty reply first."},
             {"prompt": "@empty 9\nNothing but empty replies."}]
