@@ -7,7 +7,7 @@ handed to the kernel (written and flushed) before the row is counted, so a Ctrl-
 loses at most the rows in flight; it is fsynced at most FSYNC_EVERY seconds later (and when the
 journal is closed), so a crash of the machine itself loses at most that last second of rows, and
 a summary request waits for no disk. A torn last line (killed mid-write) is dropped when the
-journal is read.
+journal is read; a damaged line before it (the file was changed) stops the resume, naming it.
 A row's requests are journaled as they go too: an `in_flight` line (no output row) with what the
 row has spent so far, written before each request is sent and after each reply, which the row's
 final line replaces. A SIGKILL then loses no request already sent: --resume counts the spend of a
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import orjson
 
+from runner.compress.metrics import COMPRESSED, FAILED
 from runner.compress.options import same_fingerprint
 from runner.storage.atomic import private_opener
 
@@ -79,15 +80,15 @@ class Journal:
             journal = cls(path)
             with open(path, "rb") as handle:
                 _lock(handle, path)  # released when the handle is closed
-            journal._refuse_unless(resume)
             journal._read(fingerprint, repair=False)
+            journal._refuse_unless(resume)
 
     def _refuse_unless(self, resume: bool) -> None:
+        """Called once the journal is read: what it holds is counted from its entries."""
         if not resume:
-            unfinished = tuple(f'"status":"{status}"'.encode() for status in (IN_FLIGHT, CUT_OFF, EARLIER))
-            done = sum(1 for line in self.path.read_bytes().splitlines()[1:]
-                       if line.strip() and not any(mark in line for mark in unfinished))
-            raise JournalError(f"{self.path} holds an interrupted compression of this output ({done} rows done): run "
+            statuses = [entry.status for entry in self.entries.values()]
+            done = f"{statuses.count(COMPRESSED)} rows compressed, {statuses.count(FAILED)} failed"
+            raise JournalError(f"{self.path} holds an interrupted compression of this output ({done}): run "
                                "again with --resume to finish it without paying for those rows again, or delete it "
                                "to start over")
 
@@ -101,8 +102,8 @@ class Journal:
         try:
             _lock(handle, path)
             if path.stat().st_size:
+                journal._read(fingerprint, repair=resume)
                 journal._refuse_unless(resume)
-                journal._read(fingerprint)
                 journal._handle = handle
                 for key, place in journal._in_flight.items():
                     journal.add(Entry(key, CUT_OFF, journal.earlier_usage[place], b"null"))
@@ -128,14 +129,17 @@ class Journal:
             changed = sorted(k for k in set(saved or {}) | set(fingerprint) if (saved or {}).get(k) != fingerprint.get(k))
             raise JournalError(f"{self.path} was written with other options ({', '.join(changed)} "
                                "differ): give the same ones to --resume, or delete it to start over")
-        good = len(lines[0]) + 1
         in_flight = self._in_flight  # key -> where in earlier_usage its latest in-flight spend is
-        for line in lines[1:-1]:  # the last piece is "" or a line that was never finished (torn)
+        # The last piece is "" or a line a kill cut before its newline (torn): that row is simply
+        # done again. Any line before it was written whole, so one that does not read was changed
+        # since: the resume stops there rather than drop it and pay again for every row after it.
+        for number, line in enumerate(lines[1:-1], start=2):
             try:
-                data = orjson.loads(line)
-                entry = Entry(str(data["key"]), str(data["status"]), dict(data["usage"]), orjson.dumps(data["row"]))
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                break  # a torn last line (killed mid-write): that row is simply done again
+                entry = _entry_of(line)
+            except ValueError as err:
+                raise JournalError(f"{self.path} line {number}: {err}; a compression does not write such a line, "
+                                   "so the file was changed or damaged: remove that line to resume with the others "
+                                   "(its row is then done again), or delete the file to start over") from None
             place = in_flight.pop(entry.key, None)
             if place is None:
                 place = len(self.earlier_usage)
@@ -145,10 +149,9 @@ class Journal:
                 in_flight[entry.key] = place
             elif entry.status != EARLIER:
                 self.entries[entry.key] = entry
-            good += len(line) + 1
-        if repair and good < len(b"\n".join(lines)):
+        if repair and lines[-1]:
             with open(self.path, "r+b") as handle:  # appending after a torn line would glue two lines
-                handle.truncate(good)
+                handle.truncate(sum(len(line) + 1 for line in lines[:-1]))
 
     def sync(self) -> None:
         """Everything added is on disk; the journal stays open, and locked."""
@@ -190,6 +193,30 @@ class Journal:
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)  # while still locked: no other compression reads it meanwhile
         self.close()
+
+
+_STATUSES = (COMPRESSED, FAILED, IN_FLIGHT, CUT_OFF, EARLIER)
+
+
+def _entry_of(line: bytes) -> Entry:
+    """The entry of one journal line; ValueError naming what is wrong with it."""
+    try:
+        data = orjson.loads(line)
+    except orjson.JSONDecodeError as err:
+        raise ValueError(f"not JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("key"), str):
+        raise ValueError('not an object with a "key" string')
+    status, usage, row = data.get("status"), data.get("usage"), data.get("row")
+    if status not in _STATUSES:
+        raise ValueError(f'"status" is {status!r}, not one of {", ".join(_STATUSES)}')
+    if not isinstance(usage, dict):
+        raise ValueError('"usage" is not an object')
+    if status in (COMPRESSED, FAILED):
+        if not (isinstance(row, dict) and isinstance(row.get("compression_metrics"), dict)):
+            raise ValueError(f'"row" of a {status} row is not an output row (an object with "compression_metrics")')
+    elif row is not None:
+        raise ValueError(f'"row" of a {status} line is not null')
+    return Entry(data["key"], status, usage, orjson.dumps(row))
 
 
 def _lock(handle, path: Path) -> None:

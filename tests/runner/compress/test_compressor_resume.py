@@ -228,14 +228,14 @@ def test_a_last_journal_line_without_its_newline_is_torn_and_nothing_is_glued_to
 
     output = tmp_path / "out.jsonl"
     journal = Journal.open(output, {"f": 1}, resume=False)
-    journal.add(Entry("a", "compressed", {"requests": 1}, b'{"x": 1}'))
-    journal.add(Entry("b", "compressed", {"requests": 1}, b'{"x": 2}'))
+    journal.add(Entry("a", "compressed", {"requests": 1}, b'{"x": 1, "compression_metrics": {}}'))
+    journal.add(Entry("b", "compressed", {"requests": 1}, b'{"x": 2, "compression_metrics": {}}'))
     journal.close()
     path = Journal.path_for(output)
     path.write_bytes(path.read_bytes().rstrip(b"\n"))  # the last write lost its newline
     again = Journal.open(output, {"f": 1}, resume=True)
     assert set(again.entries) == {"a"} and again.earlier_usage == [{"requests": 1}]
-    again.add(Entry("c", "compressed", {"requests": 1}, b'{"x": 3}'))
+    again.add(Entry("c", "compressed", {"requests": 1}, b'{"x": 3, "compression_metrics": {}}'))
     again.close()
     reread = Journal.open(output, {"f": 1}, resume=True)
     assert set(reread.entries) == {"a", "c"}
@@ -252,3 +252,56 @@ def test_a_journal_holding_only_rows_cut_off_in_flight_counts_their_spend_once(w
         process.wait(timeout=30)
         assert journal_rows(work) == []  # nothing decided yet
         resume_to_the_end(work, server)
+
+
+def _killed_with_rows_journaled(work: Path, server: ModelServer, rows: int) -> Path:
+    process = start(work, server)
+    wait_for(lambda: len(journal_rows(work)) >= rows or process.poll() is not None, 60, step=0.02)
+    process.kill()
+    process.wait(timeout=30)
+    assert len(journal_rows(work)) >= rows
+    return work / "runs_compressed.jsonl.progress"
+
+
+DAMAGED = {
+    "not JSON": lambda line: b'{"key": "oops',
+    "a row that is a number": lambda line: line.replace(b'"row":{', b'"row":5,"was":{', 1),
+    "a row without its metrics": lambda line: line.replace(b'"compression_metrics"', b'"other"', 1),
+    "a usage that is a list": lambda line: line.replace(b'"usage":{', b'"usage":[{', 1).replace(b'},"row"', b'}],"row"', 1),
+    "an unknown status": lambda line: line.replace(b'"status":"compressed"', b'"status":"done"', 1),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED))
+def test_a_journal_damaged_before_its_last_line_is_refused_naming_the_line_and_kept_as_it_is(work, damage):
+    """Only the last line can be torn by a kill; a damaged line before it was changed by someone
+    (or by the disk). The resume stops before any request, names the file and the line, and keeps
+    the journal byte for byte: the rows after that line are paid for too."""
+    with ModelServer(policy=slow_summaries) as server:
+        journal = _killed_with_rows_journaled(work, server, 3)
+        lines = journal.read_bytes().split(b"\n")
+        number, line = next((n, line) for n, line in enumerate(lines[1:-2], start=2) if b'"status":"compressed"' in line)
+        lines[number - 1] = DAMAGED[damage](line)
+        journal.write_bytes(b"\n".join(lines))
+        kept = journal.read_bytes()
+        before = server.count()
+        resumed = start(work, server, "--resume")
+        _, err = resumed.communicate(timeout=120)
+        assert resumed.returncode == 1, err
+        assert f"{journal.name} line {number}" in err and "delete" in err and "Traceback" not in err, err
+        assert server.count() == before and journal.read_bytes() == kept
+
+
+def test_the_refusal_without_resume_counts_the_rows_compressed_not_the_failed_or_the_cut_off(tmp_path):
+    from runner.compress.journal import Entry, Journal, JournalError
+
+    output = tmp_path / "out.jsonl"
+    journal = Journal.open(output, {"f": 1}, resume=False)
+    metrics = b'{"compression_metrics": {}}'
+    journal.add(Entry("a", "compressed", {"requests": 1}, metrics))
+    journal.add(Entry("b", "failed", {"requests": 3}, metrics))
+    journal.spending("c", {"requests": 1})
+    journal.add(Entry("a2", "compressed", {"requests": 1}, metrics))
+    journal.close()
+    with pytest.raises(JournalError, match=r"\(2 rows compressed, 1 failed\)"):
+        Journal.check(output, {"f": 1}, resume=False)
