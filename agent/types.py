@@ -20,6 +20,9 @@ class ModelReply:
     usage: dict[str, Any] = field(default_factory=dict)  # prompt/completion/reasoning/cached/total tokens, cost
 
 
+REFUSING_CLASSES = ("auth", "quota")  # ProviderError classes of an endpoint that refuses the key or the account
+
+
 class ProviderError(Exception):
     """A model request that failed for good (after our retries, or not retryable).
 

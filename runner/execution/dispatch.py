@@ -14,10 +14,10 @@ import sys
 import time
 from typing import Any, Callable
 
+from agent.types import REFUSING_CLASSES
 from runner.console import Log, plural
 from runner.input.secrets import redact
 
-FATAL_CLASSES = ("auth", "quota")  # a provider that refuses the key or the account refuses every row
 FIRST_ROWS = 3  # finished rows that, all discarded by the no-reasoning filter, warrant a warning
 
 
@@ -160,7 +160,7 @@ class Dispatcher:
         from runner.input.samples import row_key_of
         from runner.storage.records import fields_of
         from runner.storage.runview import Selection, quality_outcome
-        from runner.storage.scores import primary_score
+        from runner.storage.scores import judge_refusal, primary_score
         from runner.storage.store import record_outcome
 
         selection = Selection.of(self.config)
@@ -180,16 +180,21 @@ class Dispatcher:
             if outcome == "failed":
                 cls = record.get("error_class")
                 self.log(f"   ❌ Prompt {index} failed ({cls}): {record['error']}")  # the cause whole
-                if cls in FATAL_CLASSES and not repeated:
+                if cls in REFUSING_CLASSES and not repeated:
                     repeated = ("fatal_provider", f"the provider refused the request ({cls}): {record['error']}")
-                if repeated and not self.stops.requested:
-                    # The cause quotes a provider's error, and some echo the key they refused: it
-                    # reaches statistics.json and report.html, which no other redaction passes.
-                    repeated = (repeated[0], redact(repeated[1]))
-                    self.stops.request(*repeated)
-                    self.log(f"⛔ {repeated[1]}\n   No new prompts will be started.")
-            elif self.config.verbose:
-                self.log(f"   {'✅' if outcome == 'ok' else '🚫'} Prompt {index} {outcome}: {self._preview(record)}")
+            else:
+                if self.config.verbose:
+                    self.log(f"   {'✅' if outcome == 'ok' else '🚫'} Prompt {index} {outcome}: {self._preview(record)}")
+                if refused := judge_refusal(fields.meta.scores):
+                    # The sample is kept (its agent was paid for); every later grade would be refused.
+                    repeated = ("fatal_provider", f"{refused}; the samples committed with this error keep their "
+                                "trajectories: once the key works, `--rescore --scorer=judge` grades them")
+            if repeated and not self.stops.requested:
+                # The cause quotes a provider's error, and some echo the key they refused: it
+                # reaches statistics.json and report.html, which no other redaction passes.
+                repeated = (repeated[0], redact(repeated[1]))
+                self.stops.request(*repeated)
+                self.log(f"⛔ {repeated[1]}\n   No new prompts will be started.")
         self.log.bar.set_postfix(counts, refresh=False)
         self.log.bar.update(len(records))
 

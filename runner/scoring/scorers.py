@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from agent.types import REFUSING_CLASSES, ProviderError
 from runner.scoring.sample import NoEnvironment, Sample, Score
+from runner.storage.scores import JUDGE_REFUSED
 
 BUILT_IN = ("includes", "exact", "command", "judge")
 ERROR_PREFIX = "scorer error: "
@@ -261,6 +263,9 @@ def error_entry(name: str, err: BaseException) -> dict:
     if isinstance(err, ScorerRaised):
         return {"scorer": name, "value": 0.0, "passed": False, "explanation": f"{ERROR_PREFIX}{err}"}
     message = str(err).strip() or type(err).__name__
+    if isinstance(err, ProviderError) and err.error_class in REFUSING_CLASSES:
+        return {"scorer": name, "value": 0.0, "passed": False,
+                "explanation": f"{ERROR_PREFIX}{JUDGE_REFUSED} ({err.error_class}): {message}"}
     kind = "timed out" if isinstance(err, (TimeoutError, asyncio.TimeoutError)) else type(err).__name__
     return {"scorer": name, "value": 0.0, "passed": False, "explanation": f"{ERROR_PREFIX}{kind}: {message}"}
 

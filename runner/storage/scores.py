@@ -22,6 +22,9 @@ class Primary:
 # How a scorer's failure reads on its entry (runner/scoring/scorers.py ERROR_PREFIX; storage
 # does not import the scorers).
 SCORER_ERROR = "scorer error: "
+# What follows it when the judge's endpoint refused the key or the account (auth, quota): every
+# later grade would be refused too, so the run stops (runner/execution/dispatch.py).
+JUDGE_REFUSED = "the judge's endpoint refused the request"
 
 
 def score_entries(scores: Any) -> list[dict]:
@@ -46,6 +49,16 @@ def primary_score(scores: Any) -> Primary | None:
 def is_scorer_error(entry: dict) -> bool:
     """A score that stands for a scorer that failed (it raised, timed out, gave no grade)."""
     return str(entry.get("explanation") or "").startswith(SCORER_ERROR)
+
+
+def judge_refusal(scores: Any) -> str | None:
+    """The judge's refusal (JUDGE_REFUSED, its class and the endpoint's message) when a score of
+    `metadata.scores` holds one, else None."""
+    for entry in score_entries(scores):
+        text = str(entry.get("explanation") or "")
+        if text.startswith(SCORER_ERROR + JUDGE_REFUSED):
+            return text[len(SCORER_ERROR):]
+    return None
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

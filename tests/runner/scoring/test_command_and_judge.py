@@ -152,3 +152,30 @@ def test_a_judge_of_its_own_that_reports_no_cost_stops_a_budget_without_prices(t
                     f"--judge_base_url={judge_server.base_url}", "--max_cost=1", "--num_workers=1")
         assert proc.returncode == 4, proc.stdout + proc.stderr
         assert judge_server.count() == 1
+
+
+def _judge_refusing_the_key(body, state):
+    from tests.helpers.model_server import error_reply
+
+    return error_reply(401, f"invalid api key {SECRET_KEY}")  # as some providers do, the key echoed
+
+
+def test_a_judge_that_refuses_the_key_mid_run_stops_the_run_and_keeps_the_samples_made(tmp_path, model_server,
+                                                                                     remote_args):
+    """The probe at start passed (its models route is open); then every grade is refused. Without
+    a stop, every row would pay for its agent and get no grade: the run stops as on the agent's own
+    401, and the samples made meanwhile keep their trajectories for --rescore."""
+    with ModelServer(policy=_judge_refusing_the_key) as judge_server:
+        rows = [{"prompt": f"@answer ok\nQ{i}?"} for i in range(12)]
+        proc = _run(tmp_path, rows, remote_args, "--scorer=judge", "--judge_model=judge-x",
+                    f"--judge_base_url={judge_server.base_url}", "--num_workers=1")
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert "judge" in proc.stderr and "(auth)" in proc.stderr and "--rescore" in proc.stderr, proc.stderr
+        assert SECRET_KEY not in proc.stdout + proc.stderr
+        assert 1 <= judge_server.count() <= 3
+    kept = read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")
+    assert 1 <= len(kept) <= 3
+    assert all(t["metadata"]["scores"][0]["explanation"].startswith("scorer error: ") for t in kept)
+    stats = json.loads((tmp_path / "data" / "r" / "statistics.json").read_text())
+    assert stats["outcomes"]["not_run"] >= len(rows) - 3
+    assert not [p for p in (tmp_path / "data").rglob("*") if p.is_file() and SECRET_KEY.encode() in p.read_bytes()]
