@@ -347,32 +347,36 @@ WORKDIR_REPLACED = {
 }
 
 
-def test_whatever_a_command_makes_of_its_workdir_only_that_entry_is_removed(model_server, tmp_path):
+def _outside_and_shared_root(tmp_path):
+    """A folder no session owns (0755, a file in it), and a folder to make workdirs in, 1777 as /tmp."""
     outside = tmp_path / "outside"
     outside.mkdir(mode=0o755)
     (outside / "kept.txt").write_text("not the session's\n")
-    workdirs = tmp_path / "workdirs"
-    workdirs.mkdir()
-    workdirs.chmod(0o1777)
+    root = tmp_path / "workdirs"
+    root.mkdir()
+    root.chmod(0o1777)
+    return outside, root
+
+
+def _untouched(outside, root) -> bool:
+    return (stat.S_IMODE(root.lstat().st_mode) == 0o1777 and stat.S_IMODE(outside.lstat().st_mode) == 0o755
+            and (outside / "kept.txt").read_text() == "not the session's\n")
+
+
+def test_whatever_a_command_makes_of_its_workdir_only_that_entry_is_removed(model_server, tmp_path):
+    outside, workdirs = _outside_and_shared_root(tmp_path)
     rows = [{"prompt": _prompt_of(c.format(outside=shlex.quote(str(outside))))} for c in WORKDIR_REPLACED.values()]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)
     proc = run_cli(_args(dataset, model_server), tmp_path, env={"TMPDIR": str(workdirs)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(read_jsonl(tmp_path / "data" / "r" / "trajectories.jsonl")) == len(rows)
-    assert stat.S_IMODE(workdirs.lstat().st_mode) == 0o1777
-    assert sorted(p.name for p in workdirs.iterdir()) == []
-    assert stat.S_IMODE(outside.lstat().st_mode) == 0o755 and (outside / "kept.txt").read_text() == "not the session's\n"
+    assert sorted(p.name for p in workdirs.iterdir()) == [] and _untouched(outside, workdirs)
 
 
 def test_leftover_workdirs_of_a_killed_run_are_unlinked_not_followed(tmp_path):
     from tools.environments.local import remove_workdirs
 
-    outside = tmp_path / "outside"
-    outside.mkdir(mode=0o755)
-    (outside / "kept.txt").write_text("x")
-    root = tmp_path / "root"
-    root.mkdir()
-    root.chmod(0o1777)
+    outside, root = _outside_and_shared_root(tmp_path)
     (root / "run1-p1-a1-x").symlink_to(outside)
     (root / "run1-p2-a1-y").write_text("a file where a folder was")
     locked = root / "run1-p3-a1-z"
@@ -380,6 +384,4 @@ def test_leftover_workdirs_of_a_killed_run_are_unlinked_not_followed(tmp_path):
     locked.chmod(0)
     (root / "other-p1").mkdir()  # not this run's
     assert remove_workdirs(str(root), "run1-p") == 3
-    assert sorted(p.name for p in root.iterdir()) == ["other-p1"]
-    assert stat.S_IMODE(root.lstat().st_mode) == 0o1777
-    assert stat.S_IMODE(outside.lstat().st_mode) == 0o755 and (outside / "kept.txt").exists()
+    assert sorted(p.name for p in root.iterdir()) == ["other-p1"] and _untouched(outside, root)
