@@ -9,7 +9,6 @@ log, its exit status and a FIFO that serves as its stdin.
 from __future__ import annotations
 
 import functools
-import math
 import re
 import time
 import uuid
@@ -61,8 +60,9 @@ def _positive_number(args: dict, name: str) -> float | None:
     value = args.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive number of seconds")  # (NaN fails the comparison too)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        # (NaN fails the comparison too; 1e9 s is 31 years, and an int of 400 digits no float)
+        raise ValueError(f"{name} must be a positive number of seconds")
     return float(value)
 
 

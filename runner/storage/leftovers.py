@@ -50,7 +50,8 @@ def clean_run_leftovers(run_dir: Path, log=print) -> None:
     run_id = saved.run_id
     tools = saved.setting("tools")
     tools = tools if isinstance(tools, dict) else {}
-    from tools.environments.local import clear_set_id_bits, kill_task_processes, remove_workdirs, task_workdirs
+    from tools.environments.local import kill_task_processes, remove_workdirs, task_workdirs
+    from tools.environments.tree import clear_set_id_bits
 
     killed = kill_task_processes(lambda task: task.startswith(f"{run_id}-"))
     workdirs = 0 if tools.get("keep_workdirs") else remove_workdirs(tools.get("workdir_root"), f"{run_id}-p")

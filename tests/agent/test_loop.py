@@ -352,3 +352,13 @@ def test_conversation_length_matches_the_saved_turns():
     messages = result.messages
     for end in range(1, len(messages) + 1):
         assert conversation_length(messages[:end]) == len(to_sharegpt(messages[:end], "Prompt.", [ECHO]))
+
+
+@pytest.mark.parametrize("raw", ['{"t": NaN}', '{"t": [1, {"u": -Infinity}]}', '{"t": 1e400}', '{"t": -1e999}'])
+def test_arguments_holding_no_finite_number_are_bad_json(raw):
+    """Python's json reads NaN, Infinity and a number too large for a float (as inf); none is JSON
+    a trajectory may carry, or a number a tool may be given."""
+    from agent.loop import _parse_arguments
+
+    value, error = _parse_arguments(raw)
+    assert value is None and "not a JSON" in error

@@ -91,7 +91,7 @@ def test_terminal_invalid_arguments(ctx):
     assert "error" in call(ctx, "terminal", command="")
     assert "error" in call(ctx, "terminal", command="true", timeout=-1)
     sid = call(ctx, "terminal", command="sleep 30", background=True)["session_id"]
-    for endless in (float("nan"), float("inf")):  # arguments handed over as an object, not as JSON text
+    for endless in (float("nan"), float("inf"), 10**400):  # arguments handed over as an object, not as JSON text
         assert "positive number" in call(ctx, "terminal", command="touch ran", timeout=endless)["error"]
         assert "positive number" in call(ctx, "process", action="wait", session_id=sid, timeout=endless)["error"]
     assert not os.path.exists(os.path.join(ctx.env.workdir, "ran"))

@@ -45,6 +45,7 @@ from tools.environments.base import (
     truncate_output,
 )  # fmt: skip
 from tools.environments import socket_filter
+from tools.environments.tree import clear_set_id_bits, remove_tree
 from tools.settings import MAX_READ_BYTES, CommandOptions, LocalOptions
 
 BWRAP_MISSING = "--sandbox=bwrap needs bubblewrap: apt-get install bubblewrap"
@@ -348,7 +349,7 @@ class LocalEnvironment(Backend):
         if self._owns_workdir and not self.config.keep_workdirs:
             try:
                 os.rmdir(self._workdir_root)
-            except OSError:  # it holds files: shutil.rmtree, in a thread
+            except OSError:  # it holds files: removed by cleanup(), in a thread
                 return False
             self._owns_workdir = False
         forget_marked_processes(self._marker_entry())
@@ -366,7 +367,7 @@ class LocalEnvironment(Backend):
             self._holder.communicate()
             self._holder = None
         if self._owns_workdir and not self.config.keep_workdirs:
-            remove_workdir(self._workdir_root)
+            remove_tree(self._workdir_root)
             self._owns_workdir = False
         elif self._sandbox_dir:  # kept: nothing the sandbox made stays setuid or setgid on the host
             clear_set_id_bits(self._sandbox_dir)
@@ -621,32 +622,6 @@ def host_sockets_in(folders: tuple[str, ...]) -> list[str]:
     return sorted(found)
 
 
-def clear_set_id_bits(top: str) -> None:
-    """Remove the setuid and setgid bits of every file and folder under `top` (not following
-    symlinks): a setgid folder would hand its group to whatever is later made in it. A folder the
-    commands closed to its owner (mode 000, say) is opened to it first (u+rwx), or a runner that is
-    not root could not see what is inside. Every call is relative to its folder's descriptor
-    (os.fwalk), so a tree nested deeper than a path can name (PATH_MAX) is cleared all the same.
-    Called once the session's processes are gone: nothing swaps an entry for a symlink meanwhile."""
-    me = os.geteuid()
-    if not os.path.isdir(top):  # (os.fwalk raises for a missing top, os.walk did not)
-        return
-    for _folder, dirs, files, folder_fd in os.fwalk(top):  # top-down: opened before it is entered
-        for name in dirs + files:
-            try:
-                info = os.lstat(name, dir_fd=folder_fd)
-                mode = stat.S_IMODE(info.st_mode)
-                if stat.S_ISDIR(info.st_mode) and info.st_uid == me and mode & stat.S_IRWXU != stat.S_IRWXU:
-                    mode |= stat.S_IRWXU
-                elif not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
-                    continue
-                cleared = mode & ~(stat.S_ISUID | stat.S_ISGID)
-                if cleared != stat.S_IMODE(info.st_mode):
-                    os.chmod(name, cleared, dir_fd=folder_fd)
-            except OSError:
-                pass
-
-
 def workdir_prefix(task_id: str) -> str:
     """How the working directories of a task's sessions are named (then a random suffix)."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", task_id)[:80] + "-"
@@ -672,59 +647,37 @@ def kill_task_processes(belongs) -> int:
     return len(killed)
 
 
-def task_workdirs(root: str | None, prefix: str) -> list[str]:
-    """The per-prompt working directories in `root` (default: the temp dir) named `prefix*`."""
+def _own_entries(root: str | None, prefix: str) -> list[os.DirEntry]:
+    """The entries of `root` (default: the temp dir) named `prefix*` that are the runner's own:
+    anyone can read a run id from those names in /tmp and plant an entry so named."""
     root = os.path.realpath(root or tempfile.gettempdir())
+    me = os.geteuid()
     try:
-        entries = list(os.scandir(root))
+        entries = [entry for entry in os.scandir(root) if entry.name.startswith(prefix)]
     except OSError:
         return []
-    return [entry.path for entry in entries if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False)]
+    own = []
+    for entry in entries:
+        try:
+            if entry.stat(follow_symlinks=False).st_uid == me:
+                own.append(entry)
+        except OSError:
+            pass
+    return own
+
+
+def task_workdirs(root: str | None, prefix: str) -> list[str]:
+    """The runner's per-prompt working directories in `root` named `prefix*`."""
+    return [entry.path for entry in _own_entries(root, prefix) if entry.is_dir(follow_symlinks=False)]
 
 
 def remove_workdirs(root: str | None, prefix: str) -> int:
-    """Remove the per-prompt working directories in `root` named `prefix*` (or whatever entry a
-    command left in the place of one); returns how many."""
-    root = os.path.realpath(root or tempfile.gettempdir())
-    try:
-        names = [name for name in os.listdir(root) if name.startswith(prefix)]
-    except OSError:
-        return 0
-    for name in names:
-        remove_workdir(os.path.join(root, name))
-    return len(names)
-
-
-def remove_workdir(top: str) -> None:
-    """Remove a session's working directory, whatever its commands made of it. Folders inside that
-    they closed (mode 000) are opened to their owner first. If they replaced the directory itself
-    with a symlink, a file or a fifo, that entry is unlinked, never followed. Nothing outside `top`
-    is changed: its parent is the shared TMPDIR (/tmp, mode 1777), which a retry that opened the
-    parent of whatever failed to go would have turned into 0700."""
-    try:
-        info = os.lstat(top)
-        if not stat.S_ISDIR(info.st_mode):
-            os.unlink(top)
-            return
-        if info.st_uid == os.geteuid() and info.st_mode & stat.S_IRWXU != stat.S_IRWXU:
-            os.chmod(top, stat.S_IRWXU)  # a directory (just checked), not a symlink: no one is left to swap it
-    except OSError:
-        return
-
-    def open_and_retry(func, path, exc_info) -> None:
-        if isinstance(exc_info[1], FileNotFoundError) or path == top:
-            return
-        try:
-            os.chmod(os.path.dirname(path), stat.S_IRWXU)  # inside `top`: path is not top itself
-            if os.path.isdir(path) and not os.path.islink(path):
-                os.chmod(path, stat.S_IRWXU)
-                shutil.rmtree(path, onerror=open_and_retry)
-            else:
-                func(path)
-        except OSError:
-            pass
-
-    shutil.rmtree(top, onerror=open_and_retry)
+    """Remove the runner's per-prompt working directories in `root` named `prefix*` (or whatever
+    entry a command left in the place of one); returns how many."""
+    entries = _own_entries(root, prefix)
+    for entry in entries:
+        remove_tree(entry.path)
+    return len(entries)
 
 
 def _signal(pid: int, sig: int = signal.SIGKILL) -> None:

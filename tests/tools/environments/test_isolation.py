@@ -344,6 +344,7 @@ WORKDIR_REPLACED = {
     "removed": 'W=$PWD; cd /; rm -rf "$W"',
     "closed": 'touch f; chmod 000 "$PWD"',
     "locked inside": "mkdir -p a/b && touch a/b/f && chmod 0 a/b a",
+    "deeper than a recursion": "python3 -c \"import os; [(os.mkdir('d'), os.chdir('d')) for _ in range(3000)]\"",
 }
 
 

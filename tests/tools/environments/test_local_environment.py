@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import stat
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -317,7 +318,7 @@ def test_bwrap_sandbox_death_is_a_sandbox_error(make_env):
 def test_set_id_bits_are_cleared_inside_a_folder_closed_to_its_owner():
     # What a sandboxed command of a runner that is not root leaves: a setuid file (its own uid) in
     # a folder it made mode 000. The runner owns both, so it must still reach and clear the file.
-    from tools.environments.local import clear_set_id_bits
+    from tools.environments.tree import clear_set_id_bits
 
     uid = 65534 if os.geteuid() == 0 else os.geteuid()
     top = Path(tempfile.mkdtemp(prefix="abr-kept-")) / "kept"  # a parent the owner can traverse
@@ -377,7 +378,7 @@ def test_kept_workdirs_of_a_killed_worker_are_cleared_of_set_id_bits(tmp_path):
 def test_set_id_bits_are_cleared_deeper_than_a_path_can_name(tmp_path):
     # A command can nest folders until their full path is longer than PATH_MAX (4,096 bytes):
     # operations on full paths then fail with ENAMETOOLONG, which must not leave a setuid file.
-    from tools.environments.local import clear_set_id_bits
+    from tools.environments.tree import clear_set_id_bits
 
     name = "d" * 250
     fds = [os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)]
@@ -398,3 +399,83 @@ def test_set_id_bits_are_cleared_deeper_than_a_path_can_name(tmp_path):
         for fd in fds:
             os.close(fd)
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _deep_tree(top: Path, depth: int, leaf: str = "f") -> list[int]:
+    """Folders `depth` deep under `top`, made by descriptor (no path names them whole); returns the
+    descriptors of every level, the deepest last (closed by the caller)."""
+    fds = [os.open(top, os.O_RDONLY | os.O_DIRECTORY)]
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fds[-1])
+        fds.append(os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+    os.close(os.open(leaf, os.O_WRONLY | os.O_CREAT, 0o755, dir_fd=fds[-1]))
+    return fds
+
+
+def test_a_tree_deeper_than_the_interpreter_can_recurse_is_removed_and_cleared(tmp_path):
+    """shutil.rmtree and os.fwalk recurse: a command's 3,000 nested folders made them raise
+    RecursionError, which left the folder (and a setuid file in it) and failed every --resume."""
+    from tools.environments.tree import clear_set_id_bits, remove_tree as remove_workdir
+
+    top = tmp_path / "kept"
+    top.mkdir()
+    fds = _deep_tree(top, 3000, leaf="sh")
+    os.chmod("sh", 0o4755, dir_fd=fds[-1])
+    try:
+        assert clear_set_id_bits(str(top)) is True
+        assert not os.stat("sh", dir_fd=fds[-1]).st_mode & stat.S_ISUID
+        assert remove_workdir(str(top)) is True
+        assert not top.exists()
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_the_kept_folder_itself_is_cleared_of_set_id_bits(tmp_path):
+    from tools.environments.tree import clear_set_id_bits
+
+    top = tmp_path / "work"
+    top.mkdir()
+    top.chmod(0o2755)  # `chmod g+s .` in the sandbox
+    clear_set_id_bits(str(top))
+    assert stat.S_IMODE(top.stat().st_mode) == 0o755
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+def test_the_removal_never_goes_into_a_mount_point_a_command_made(tmp_path):
+    from tools.environments.tree import remove_tree as remove_workdir
+
+    decoy = tmp_path / "decoy"
+    (decoy / "sub").mkdir(parents=True)
+    (decoy / "keep.txt").write_text("mine")
+    decoy.chmod(0o755)
+    top = tmp_path / "session"
+    (top / "m").mkdir(parents=True)
+    (top / "other.txt").write_text("the session's")
+    subprocess.run(["mount", "--bind", str(decoy), str(top / "m")], check=True)
+    try:
+        assert remove_workdir(str(top)) is False  # the mount point (and the folders above it) stay
+        assert (decoy / "keep.txt").read_text() == "mine" and (decoy / "sub").is_dir()
+        assert stat.S_IMODE(decoy.stat().st_mode) == 0o755
+        assert not (top / "other.txt").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(top / "m")], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting an entry of another user needs root")
+def test_leftovers_of_another_user_named_like_the_run_are_not_touched(tmp_path):
+    """Anyone can read a run id from its workdirs' names in /tmp and plant an entry so named: the
+    runner removes only what it owns."""
+    from tools.environments.local import remove_workdirs
+
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o1777)
+    planted = root / "run1-p9-a1-planted"
+    (planted / "inner").mkdir(parents=True)
+    for path in (planted, planted / "inner"):
+        os.chown(path, 65534, 65534)
+    ours = root / "run1-p1-a1-ours"
+    ours.mkdir()
+    assert remove_workdirs(str(root), "run1-p") == 1
+    assert planted.is_dir() and (planted / "inner").is_dir() and not ours.exists()
