@@ -45,10 +45,11 @@ def rescore_run(run_dir: Path, options: Any, *, make_judge: Callable[[], Any] | 
     how many were scored. The caller holds the run lock and rebuilds the outputs after."""
     from runner.input.dataset import iter_rows, scan_dataset
     from runner.input.samples import row_key_of, sample_ids, sample_units
-    from runner.input.secrets import redact_bytes
+    from runner.input.secrets import redact, redact_bytes
     from runner.storage.runfiles import ConfigFile, read_config
     from runner.storage.records import RESCORES_FILE, RescoreRecord, UsageRecord, read_line
     from runner.storage.runview import OK_RANK, RunView, read_run
+    from runner.storage.scores import judge_refusal
     from runner.storage.store import batch_files
 
     scorers = check_scorers(options.scorer)
@@ -84,6 +85,9 @@ def rescore_run(run_dir: Path, options: Any, *, make_judge: Callable[[], Any] | 
             handle.close()
     rescore_id = uuid.uuid4().hex[:12]
     results = asyncio.run(_score_all([(row, fields) for _key, row, fields in samples], scorers, options, make_judge))
+    refused = next((r for r in (judge_refusal(scores) for scores, _usage in results) if r), None)
+    if refused:  # every grade would be: the samples keep the scores they have
+        raise RescoreError(f"--rescore: {redact(refused)}; nothing was changed")
     lines = []
     for (key, _row, fields), (scores, usage) in zip(samples, results):
         # the sample's own key: every sample of a row is a line of its own

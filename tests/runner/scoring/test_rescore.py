@@ -143,3 +143,18 @@ def test_rescore_scores_every_sample_of_a_prompt_on_its_own(tmp_path, model_serv
             ("wrongness.py:wrongness", float("wrong" in answer)), ("includes", float("right" in answer))], line
     stats = json.loads((tmp_path / "data" / "r" / "statistics.json").read_text())
     assert stats["scoring"]["samples"] == 6 and stats["scoring"]["passed"] == 3
+
+
+def test_a_judge_that_refuses_the_key_changes_nothing(tmp_path, model_server, remote_args):
+    """Every grade refused (a key revoked since): the samples keep the scores they had, instead of
+    each getting a scorer error in place of its grade."""
+    from tests.helpers.model_server import ModelServer, error_reply
+
+    run = _first_run(tmp_path, remote_args)
+    before = _snapshot(run)
+    with ModelServer(policy=lambda body, state: error_reply(401, "invalid api key")) as judge_server:
+        proc = _rescore(tmp_path, "--scorer=judge", "--judge_model=judge-x", f"--judge_base_url={judge_server.base_url}",
+                        env={"OPENROUTER_API_KEY": SECRET_KEY})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "refused the request (auth)" in proc.stderr and "nothing was changed" in proc.stderr
+    assert _snapshot(run) == before
