@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 from collections import Counter
 from collections.abc import Container
@@ -140,8 +141,8 @@ def _parse_arguments(raw: Any) -> tuple[dict | None, str | None]:
     try:
         # strict=False: raw control characters inside strings (a literal newline in a command) are
         # common in real models' arguments and unambiguous, so they are accepted, not retried.
-        value = json.loads(raw, strict=False, parse_constant=_not_json)
-    except ValueError as err:  # json.JSONDecodeError, or NaN / Infinity
+        value = json.loads(raw, strict=False, parse_constant=_not_json, parse_float=_finite)
+    except ValueError as err:  # json.JSONDecodeError, or no finite number
         return None, str(err)
     if not isinstance(value, dict):
         return None, f"arguments must be a JSON object, got {type(value).__name__}"
@@ -152,6 +153,13 @@ def _not_json(name: str) -> Any:
     # Python's json reads NaN and Infinity, which JSON has not: a NaN timeout would pass every
     # comparison, and a trajectory carrying one is no longer JSON for the tools that read it.
     raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: read as inf
+        raise ValueError(f"{text} is not a JSON number a float can hold")
+    return value
 
 
 def classify(reply: ModelReply, offered: Container[str]) -> Verdict:
