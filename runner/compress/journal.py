@@ -33,6 +33,7 @@ from pathlib import Path
 
 import orjson
 
+from agent.usage import COUNT_FIELDS
 from runner.compress.metrics import COMPRESSED, FAILED
 from runner.compress.options import same_fingerprint
 from runner.storage.atomic import private_opener
@@ -209,14 +210,50 @@ def _entry_of(line: bytes) -> Entry:
     status, usage, row = data.get("status"), data.get("usage"), data.get("row")
     if status not in _STATUSES:
         raise ValueError(f'"status" is {status!r}, not one of {", ".join(_STATUSES)}')
-    if not isinstance(usage, dict):
-        raise ValueError('"usage" is not an object')
+    problem = _usage_problem(usage, "usage")
+    if problem:
+        raise ValueError(problem)
     if status in (COMPRESSED, FAILED):
-        if not (isinstance(row, dict) and isinstance(row.get("compression_metrics"), dict)):
-            raise ValueError(f'"row" of a {status} row is not an output row (an object with "compression_metrics")')
+        if not (isinstance(row, dict) and isinstance(row.get("conversations"), list)):
+            raise ValueError(f'"row" of a {status} row is not an output row (an object with "conversations")')
+        if not _metrics_of(row.get("compression_metrics"), status):
+            raise ValueError(f'the "compression_metrics" of a {status} row are not those a compression writes')
     elif row is not None:
         raise ValueError(f'"row" of a {status} line is not null')
     return Entry(data["key"], status, usage, orjson.dumps(row))
+
+
+def _count(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _usage_problem(usage, where: str) -> str | None:
+    """What is wrong with a journaled spend (CallStats.as_dict()), None when nothing is."""
+    if not isinstance(usage, dict):
+        return f'"{where}" is not an object'
+    for name in (*COUNT_FIELDS, "unpriced_requests"):
+        if name in usage and not _count(usage[name]):
+            return f'"{where}.{name}" is not a count'
+    cost = usage.get("cost")
+    if cost is not None and not (type(cost) in (int, float) and 0 <= cost < float("inf")):
+        return f'"{where}.cost" is not an amount'
+    by_model = usage.get("by_model", [])
+    if not isinstance(by_model, list):
+        return f'"{where}.by_model" is not a list'
+    for entry in by_model:
+        if not (isinstance(entry, dict) and isinstance(entry.get("model"), str)):
+            return f'"{where}.by_model" holds an entry without its model'
+        problem = _usage_problem(entry, f"{where}.by_model")
+        if problem:
+            return problem
+    return None
+
+
+def _metrics_of(metrics, status: str) -> bool:
+    """The figures the file's tally reads from a row's compression_metrics are there, as written."""
+    return (isinstance(metrics, dict) and metrics.get("status") == status and isinstance(metrics.get("failure"), str)
+            and type(metrics.get("over_limit")) is bool and _count(metrics.get("tokens_before"))
+            and _count(metrics.get("tokens_after")))
 
 
 def _lock(handle, path: Path) -> None:

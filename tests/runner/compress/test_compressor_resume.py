@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -221,6 +222,11 @@ def test_a_resume_after_a_whole_run_that_is_itself_cut_off_keeps_that_runs_rows_
     assert [r["metadata"]["row_key"] for r in read_jsonl(work / "runs_compressed.jsonl")] == [f"r{i}" for i in range(ROWS)]
 
 
+def _output_row(n: int, status: str = "compressed") -> bytes:
+    metrics = {"status": status, "failure": "", "over_limit": False, "tokens_before": 10, "tokens_after": 5}
+    return json.dumps({"x": n, "conversations": [], "compression_metrics": metrics}).encode()
+
+
 def test_a_last_journal_line_without_its_newline_is_torn_and_nothing_is_glued_to_it(tmp_path):
     """A line is whole only with its newline: one written but for it is dropped (its row done
     again) and cut off the file, so the next line starts on a line of its own."""
@@ -228,14 +234,14 @@ def test_a_last_journal_line_without_its_newline_is_torn_and_nothing_is_glued_to
 
     output = tmp_path / "out.jsonl"
     journal = Journal.open(output, {"f": 1}, resume=False)
-    journal.add(Entry("a", "compressed", {"requests": 1}, b'{"x": 1, "compression_metrics": {}}'))
-    journal.add(Entry("b", "compressed", {"requests": 1}, b'{"x": 2, "compression_metrics": {}}'))
+    journal.add(Entry("a", "compressed", {"requests": 1}, _output_row(1)))
+    journal.add(Entry("b", "compressed", {"requests": 1}, _output_row(2)))
     journal.close()
     path = Journal.path_for(output)
     path.write_bytes(path.read_bytes().rstrip(b"\n"))  # the last write lost its newline
     again = Journal.open(output, {"f": 1}, resume=True)
     assert set(again.entries) == {"a"} and again.earlier_usage == [{"requests": 1}]
-    again.add(Entry("c", "compressed", {"requests": 1}, b'{"x": 3, "compression_metrics": {}}'))
+    again.add(Entry("c", "compressed", {"requests": 1}, _output_row(3)))
     again.close()
     reread = Journal.open(output, {"f": 1}, resume=True)
     assert set(reread.entries) == {"a", "c"}
@@ -269,6 +275,10 @@ DAMAGED = {
     "a row without its metrics": lambda line: line.replace(b'"compression_metrics"', b'"other"', 1),
     "a usage that is a list": lambda line: line.replace(b'"usage":{', b'"usage":[{', 1).replace(b'},"row"', b'}],"row"', 1),
     "an unknown status": lambda line: line.replace(b'"status":"compressed"', b'"status":"done"', 1),
+    "metrics without their figures": lambda line: re.sub(rb'"compression_metrics":\{[^{}]*\}', b'"compression_metrics":{}', line),
+    "a count that is text": lambda line: re.sub(rb'"requests":(\d+)', rb'"requests":"\1"', line, count=1),
+    "a negative count": lambda line: re.sub(rb'"requests":(\d+)', rb'"requests":-\1', line, count=1),
+    "a row without conversations": lambda line: line.replace(b'"conversations":', b'"talk":', 1),
 }
 
 
@@ -297,11 +307,10 @@ def test_the_refusal_without_resume_counts_the_rows_compressed_not_the_failed_or
 
     output = tmp_path / "out.jsonl"
     journal = Journal.open(output, {"f": 1}, resume=False)
-    metrics = b'{"compression_metrics": {}}'
-    journal.add(Entry("a", "compressed", {"requests": 1}, metrics))
-    journal.add(Entry("b", "failed", {"requests": 3}, metrics))
+    journal.add(Entry("a", "compressed", {"requests": 1}, _output_row(1)))
+    journal.add(Entry("b", "failed", {"requests": 3}, _output_row(2, "failed")))
     journal.spending("c", {"requests": 1})
-    journal.add(Entry("a2", "compressed", {"requests": 1}, metrics))
+    journal.add(Entry("a2", "compressed", {"requests": 1}, _output_row(3)))
     journal.close()
     with pytest.raises(JournalError, match=r"\(2 rows compressed, 1 failed\)"):
         Journal.check(output, {"f": 1}, resume=False)
