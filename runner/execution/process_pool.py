@@ -73,6 +73,7 @@ class DeathWindow:
 # stop (the requests their sessions sent last), so that every request sent is committed.
 QUIT_REPORT_WAIT = 1.0
 REAPER_WAIT = 60.0  # seconds the end of a run waits for the removal of what dead workers left
+SHUTDOWN_WAIT = 15.0  # seconds the end of a run waits for its workers to stop (their last clean-ups)
 
 
 class ProcessExecutor:
@@ -252,8 +253,12 @@ class ProcessExecutor:
             records.extend(self._unfinished(worker, error, error_class, spent_only=True))
         return records
 
-    def shutdown(self, abandon: bool = False, timeout: float = 15.0) -> None:
-        """Stop the workers (once). abandon=True cancels in-flight sessions (their sandboxes are removed)."""
+    def shutdown(self, abandon: bool = False, timeout: float | None = None) -> None:
+        """Stop the workers (once). abandon=True cancels in-flight sessions (their sandboxes are removed).
+        Workers still alive after `timeout` (SHUTDOWN_WAIT) are killed, and what any session of the
+        run left is removed here: a worker may have been killed in the middle of a clean-up (a
+        working directory of 300,000 folders takes longer than that)."""
+        timeout = SHUTDOWN_WAIT if timeout is None else timeout
         if self._closed:
             return
         self._closed = True
@@ -274,13 +279,19 @@ class ProcessExecutor:
             for worker in workers:
                 if worker.conn in ready:
                     self._drain(worker, None)
+        killed = 0
         for worker in self.workers:
             if worker.process.is_alive():
                 worker.process.kill()
+                killed += 1
             worker.process.join(1.0)
             if not worker.conn.closed:
                 worker.conn.close()
         _stop_fork_server()
+        if killed:
+            self.log(f"⚠️  {plural(killed, 'worker')} still busy after {timeout:g}s (cleaning up after its sessions?) "
+                     "stopped; removing what the sessions left")
+            self._reapers.append(_clean_after_run(self.config, self.log))
         self._wait_for_reapers()
 
     def _wait_for_reapers(self) -> None:
@@ -328,6 +339,16 @@ def _clean_after_worker(config: RunConfig, tasks: list[Task], log) -> threading.
 
     reaper = threading.Thread(target=clean_task_leftovers, args=(config.tools, [t.task_id for t in tasks], log),
                               name="abr-reaper", daemon=True)
+    reaper.start()
+    return reaper
+
+
+def _clean_after_run(config: RunConfig, log) -> threading.Thread:
+    """Workers were killed at the end of the run: whatever any session of the run left is removed,
+    off the dispatch loop, in a thread the shutdown waits for (every session has ended)."""
+    from runner.storage.leftovers import clean_run_sessions
+
+    reaper = threading.Thread(target=clean_run_sessions, args=(config.tools, log), name="abr-reaper", daemon=True)
     reaper.start()
     return reaper
 

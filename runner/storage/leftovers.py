@@ -72,3 +72,14 @@ def clean_task_leftovers(settings, task_ids: list[str], log=print) -> None:
         backend_class(settings.terminal_env).clean_task_leftovers(settings, task_ids, log=log)
     except Exception as err:  # best effort: the next start of the run cleans up again
         log(f"⚠️  Could not clean up after a dead worker: {type(err).__name__}: {err}")
+
+
+def clean_run_sessions(settings, log=print) -> None:
+    """At the end of a run whose workers had to be killed: remove what any of its sessions left
+    (every session has ended). Runs in a thread of the parent."""
+    try:
+        from tools.environments import backend_class
+
+        backend_class(settings.terminal_env).clean_run_leftovers(settings, log=log)
+    except Exception as err:  # best effort: the next start of the run cleans up again
+        log(f"⚠️  Could not clean up after the stopped workers: {type(err).__name__}: {err}")

@@ -143,6 +143,11 @@ class Backend:
     def clean_task_leftovers(cls, settings: ToolSettings, task_ids: list[str], *, log: Callable[[str], None]) -> None:
         """After a worker died: remove what the sessions of these tasks left (it could not)."""
 
+    @classmethod
+    def clean_run_leftovers(cls, settings: ToolSettings, *, log: Callable[[str], None]) -> None:
+        """At the end of a run whose workers were killed: remove what any session of it left."""
+        cls.clean_task_leftovers(settings, [], log=log)
+
     async def run(self, command: str, *, cwd: str | None = None, timeout: float | None = None) -> ExecResult:
         """execute() in a thread. A backend that can wait for its commands in the event loop itself
         overrides it: a hand-off to a thread and back costs more than a short command's own work."""

@@ -113,11 +113,12 @@ class LocalEnvironment(Backend):
         if wanted:
             kill_task_processes(lambda task: task in wanted)
         for task_id in task_ids:
-            if not settings.keep_workdirs:
-                remove_workdirs(settings.workdir_root, workdir_prefix(task_id))
-            elif settings.sandbox == "bwrap":
-                for folder in task_workdirs(settings.workdir_root, workdir_prefix(task_id)):
-                    clear_set_id_bits(folder)
+            _clean_workdirs(settings, workdir_prefix(task_id))
+
+    @classmethod
+    def clean_run_leftovers(cls, settings, *, log) -> None:
+        kill_task_processes(lambda task: task.startswith(f"{settings.run_id}-"))
+        _clean_workdirs(settings, f"{settings.run_id}-p")
 
     @property
     def quick_start(self) -> bool:  # type: ignore[override]
@@ -645,6 +646,16 @@ def kill_task_processes(belongs) -> int:
             killed.add(pid)
         time.sleep(0.05)
     return len(killed)
+
+
+def _clean_workdirs(settings, prefix: str) -> None:
+    """Remove the working directories named `prefix*` (kept ones: clear their set-id bits), as a
+    session's own cleanup would have."""
+    if not settings.keep_workdirs:
+        remove_workdirs(settings.workdir_root, prefix)
+    elif settings.sandbox == "bwrap":
+        for folder in task_workdirs(settings.workdir_root, prefix):
+            clear_set_id_bits(folder)
 
 
 def _own_entries(root: str | None, prefix: str) -> list[os.DirEntry]:
