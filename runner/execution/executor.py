@@ -23,6 +23,9 @@ class SpendWatcher(Protocol):
         """May a worker send one more model request now (the cost budget)?"""
 
 
+SHUTDOWN_WAIT = 15.0  # seconds the end of a run waits for its workers to stop (their last clean-ups)
+
+
 class Executor(Protocol):
     # Why the run should stop starting rows (workers keep dying), or None.
     stop_reason: str | None
@@ -53,7 +56,7 @@ class Executor(Protocol):
         `error_class`) of each row that sent requests and did not finish, so that what it spent
         is committed."""
 
-    def shutdown(self, abandon: bool = False, timeout: float = 15.0) -> None:
+    def shutdown(self, abandon: bool = False, timeout: float | None = None) -> None:
         """Stop the workers (once); abandon=True cancels the sessions in flight and removes their sandboxes."""
 
     def terminate(self) -> None:

@@ -30,7 +30,7 @@ from multiprocessing.connection import wait
 from runner.input.config import RunConfig
 from runner.console import plural
 from runner.execution.group_signals import CANCEL_SIGNAL, spawning_shielded
-from runner.execution.executor import SpendWatcher
+from runner.execution.executor import SHUTDOWN_WAIT, SpendWatcher
 from runner.execution.task import Task
 from runner.execution.worker import WorkerRuntime, failed_record, send_message, worker_main
 from runner.storage.records import row_key_of
@@ -73,7 +73,6 @@ class DeathWindow:
 # stop (the requests their sessions sent last), so that every request sent is committed.
 QUIT_REPORT_WAIT = 1.0
 REAPER_WAIT = 60.0  # seconds the end of a run waits for the removal of what dead workers left
-SHUTDOWN_WAIT = 15.0  # seconds the end of a run waits for its workers to stop (their last clean-ups)
 
 
 class ProcessExecutor:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.input.config import RunConfig
-from runner.execution.executor import SpendWatcher
+from runner.execution.executor import SHUTDOWN_WAIT, SpendWatcher
 from runner.execution.task import Task
 from runner.execution.worker import failed_record
 from agent.usage import Usage
@@ -695,9 +695,11 @@ class RayExecutor:
                 pass
         self._closing = [ref for ref in self._closing if ref not in done]
 
-    def shutdown(self, abandon: bool = False, timeout: float = 15.0) -> None:
-        """Stop the actors. abandon=True cancels in-flight sessions (their sandboxes are removed);
-        what they spent, and the records that finish meanwhile, are kept for `abandoned`."""
+    def shutdown(self, abandon: bool = False, timeout: float | None = None) -> None:
+        """Stop the actors (waiting up to `timeout`, default SHUTDOWN_WAIT). abandon=True cancels in-flight
+        sessions (their sandboxes are removed); what they spent, and the records that finish
+        meanwhile, are kept for `abandoned`."""
+        timeout = SHUTDOWN_WAIT if timeout is None else timeout
         if self._closed:
             return
         ray = self.ray
