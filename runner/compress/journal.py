@@ -77,7 +77,7 @@ class Journal:
     def check(cls, output: Path, fingerprint: dict, resume: bool) -> None:
         """JournalError when `open` would refuse; nothing is written."""
         path = cls.path_for(output)
-        if path.exists():
+        if path.exists() and not _header_torn(path):
             journal = cls(path)
             with open(path, "rb") as handle:
                 _lock(handle, path)  # released when the handle is closed
@@ -102,6 +102,8 @@ class Journal:
         handle = open(path, "ab", opener=private_opener)  # created empty when new; held, locked, until closed
         try:
             _lock(handle, path)
+            if path.stat().st_size and _header_torn(path):  # nothing was journaled: start it again
+                handle.truncate(0)
             if path.stat().st_size:
                 journal._read(fingerprint, repair=resume)
                 journal._refuse_unless(resume)
@@ -197,6 +199,15 @@ class Journal:
 
 
 _STATUSES = (COMPRESSED, FAILED, IN_FLIGHT, CUT_OFF, EARLIER)
+_HEADER_LIMIT = 1 << 20  # bytes: a header (the options' fingerprint) is far shorter
+
+
+def _header_torn(path: Path) -> bool:
+    """The journal holds no whole line: it was killed while its header was written (its first
+    write, fsynced before any row), so nothing was journaled."""
+    with open(path, "rb") as f:
+        head = f.read(_HEADER_LIMIT)
+    return b"\n" not in head and len(head) < _HEADER_LIMIT
 
 
 def _entry_of(line: bytes) -> Entry:

@@ -314,3 +314,18 @@ def test_the_refusal_without_resume_counts_the_rows_compressed_not_the_failed_or
     journal.close()
     with pytest.raises(JournalError, match=r"\(2 rows compressed, 1 failed\)"):
         Journal.check(output, {"f": 1}, resume=False)
+
+
+def test_a_journal_killed_while_its_header_was_written_holds_nothing_and_is_started_again(tmp_path):
+    from runner.compress.journal import Entry, Journal
+
+    output = tmp_path / "out.jsonl"
+    path = Journal.path_for(output)
+    path.write_bytes(b'{"fingerprint": {"f"')  # the very first write, cut: no row can have been journaled
+    Journal.check(output, {"f": 1}, resume=False)  # nothing to refuse, nothing to resume
+    journal = Journal.open(output, {"f": 1}, resume=False)
+    journal.add(Entry("a", "compressed", {"requests": 1}, _output_row(1)))
+    journal.close()
+    again = Journal.open(output, {"f": 1}, resume=True)
+    assert set(again.entries) == {"a"}
+    again.close()
