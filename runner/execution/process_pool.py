@@ -290,7 +290,7 @@ class ProcessExecutor:
         if killed:
             self.log(f"⚠️  {plural(killed, 'worker')} still busy after {timeout:g}s (cleaning up after its sessions?) "
                      "stopped; removing what the sessions left")
-            self._reapers.append(_clean_after_run(self.config, self.log))
+            self._reapers.append(_clean_after_worker(self.config, None, self.log))
         self._wait_for_reapers()
 
     def _wait_for_reapers(self) -> None:
@@ -331,23 +331,15 @@ def _cancel(worker: _Worker) -> None:
         pass
 
 
-def _clean_after_worker(config: RunConfig, tasks: list[Task], log) -> threading.Thread:
-    """A dead worker could not clean up after its sessions: do it here, off the dispatch loop, in
-    a thread the shutdown waits for."""
+def _clean_after_worker(config: RunConfig, tasks: list[Task] | None, log) -> threading.Thread:
+    """A dead worker could not clean up after its sessions (tasks None: workers killed at the end
+    of the run, so after any session of it): do it here, off the dispatch loop, in a thread the
+    shutdown waits for."""
     from runner.storage.leftovers import clean_task_leftovers
 
-    reaper = threading.Thread(target=clean_task_leftovers, args=(config.tools, [t.task_id for t in tasks], log),
-                              name="abr-reaper", daemon=True)
-    reaper.start()
-    return reaper
-
-
-def _clean_after_run(config: RunConfig, log) -> threading.Thread:
-    """Workers were killed at the end of the run: whatever any session of the run left is removed,
-    off the dispatch loop, in a thread the shutdown waits for (every session has ended)."""
-    from runner.storage.leftovers import clean_run_sessions
-
-    reaper = threading.Thread(target=clean_run_sessions, args=(config.tools, log), name="abr-reaper", daemon=True)
+    task_ids = None if tasks is None else [t.task_id for t in tasks]
+    reaper = threading.Thread(target=clean_task_leftovers, args=(config.tools, task_ids, log), name="abr-reaper",
+                              daemon=True)
     reaper.start()
     return reaper
 

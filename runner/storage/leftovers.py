@@ -63,23 +63,19 @@ def clean_run_leftovers(run_dir: Path, log=print) -> None:
             f"{killed} process(es) stopped, {workdirs} working directory(ies) removed")
 
 
-def clean_task_leftovers(settings, task_ids: list[str], log=print) -> None:
+def clean_task_leftovers(settings, task_ids: list[str] | None, log=print) -> None:
     """After a worker died: stop its sessions' commands, remove their working directories and
-    the containers it owned (it could not do it itself). Runs in a thread of the parent."""
+    the containers it owned (it could not do it itself). task_ids None: at the end of a run whose
+    workers had to be killed, what any session of the run left (every session has ended). Runs in
+    a thread of the parent."""
     try:
         from tools.environments import backend_class
 
-        backend_class(settings.terminal_env).clean_task_leftovers(settings, task_ids, log=log)
+        backend = backend_class(settings.terminal_env)
+        if task_ids is None:
+            backend.clean_run_leftovers(settings, log=log)
+        else:
+            backend.clean_task_leftovers(settings, task_ids, log=log)
     except Exception as err:  # best effort: the next start of the run cleans up again
-        log(f"⚠️  Could not clean up after a dead worker: {type(err).__name__}: {err}")
-
-
-def clean_run_sessions(settings, log=print) -> None:
-    """At the end of a run whose workers had to be killed: remove what any of its sessions left
-    (every session has ended). Runs in a thread of the parent."""
-    try:
-        from tools.environments import backend_class
-
-        backend_class(settings.terminal_env).clean_run_leftovers(settings, log=log)
-    except Exception as err:  # best effort: the next start of the run cleans up again
-        log(f"⚠️  Could not clean up after the stopped workers: {type(err).__name__}: {err}")
+        log(f"⚠️  Could not clean up after {'a dead worker' if task_ids is not None else 'the stopped workers'}: "
+            f"{type(err).__name__}: {err}")

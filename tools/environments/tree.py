@@ -69,9 +69,7 @@ def _walk(top: str, on_entry, on_folder_done) -> bool:
             return False
         path = [os.path.basename(top)]  # the names from top down to the folder fd is
         above: list[tuple[tuple[int, int], list[str]]] = []  # per folder above: its identity, subfolders left
-        pending = _walk_content(fd, on_entry)
-        complete &= pending is not None
-        pending = pending or []
+        pending, complete = _walk_content(fd, on_entry)
         while True:
             if pending:
                 name = pending.pop()
@@ -83,9 +81,9 @@ def _walk(top: str, on_entry, on_folder_done) -> bool:
                 info = os.fstat(fd)
                 above.append(((info.st_dev, info.st_ino), pending))
                 os.close(fd)
-                fd, pending = child, _walk_content(child, on_entry)
-                complete &= pending is not None
-                pending = pending or []
+                fd = child
+                pending, listed = _walk_content(fd, on_entry)
+                complete &= listed
                 path.append(name)
                 continue
             name = path.pop()
@@ -109,10 +107,10 @@ def _walk(top: str, on_entry, on_folder_done) -> bool:
         os.close(base_fd)
 
 
-def _walk_content(fd: int, on_entry) -> list[str] | None:
-    """Call on_entry for the folder's entries that are not folders; its subfolders' names (None
-    when its entries could not be listed)."""
-    folders = []
+def _walk_content(fd: int, on_entry) -> tuple[list[str], bool]:
+    """Call on_entry for the folder's entries that are not folders; its subfolders' names, and
+    whether every entry could be listed."""
+    folders: list[str] = []
     try:
         with os.scandir(fd) as entries:
             for entry in entries:
@@ -121,8 +119,8 @@ def _walk_content(fd: int, on_entry) -> list[str] | None:
                 else:
                     on_entry(fd, entry.name)
     except OSError:
-        return None
-    return folders
+        return folders, False
+    return folders, True
 
 
 def _enter(parent_fd: int, name: str, device: int) -> int | None:
